@@ -1,0 +1,1 @@
+"""Paged MLA latent KV storage, page accounting and the radix (prefix) cache."""

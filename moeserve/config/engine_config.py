@@ -1,0 +1,60 @@
+"""Engine knobs: where the model lives, how the KV pool is sized, how steps are batched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the model's own config.json."""
+
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    # KV cache
+    page_size: int = 16
+    num_kv_pages: int | None = None
+    kv_cache_memory_gb: float | None = None
+    mem_fraction_static: float = 0.85
+    enable_prefix_caching: bool = True
+    # Batching
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    chunked_prefill_size: int = 8192
+    # Prefill attention form: absorbed (MLA) while sum(extend * (extend + prefix)) stays below
+    # this, decompressed (MHA) above it. Seed 002's rule; see moeserve.layers.attention.
+    mha_threshold: int = 16384
+    # Admission reserves this fraction of each running request's remaining max_tokens; it decays
+    # towards the minimum while things go well and resets after a retraction (SGLang's scheme).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"),
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (self.num_kv_pages is None or self.num_kv_pages >= 1, "num_kv_pages must be >= 1"),
+            (0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.chunked_prefill_size >= 0, "chunked_prefill_size must be >= 0 (0 disables chunking)"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0, "bad new_token_ratio"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether long prompts are split across steps."""
+        return self.chunked_prefill_size > 0

@@ -1,0 +1,1 @@
+"""Requests, sampling parameters, outputs and the scheduler's batch."""

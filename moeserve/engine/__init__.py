@@ -1,0 +1,1 @@
+"""The engine loop (scheduler + model runner) and the offline LLM API."""

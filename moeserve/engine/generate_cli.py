@@ -1,0 +1,80 @@
+"""`moeserve generate`: complete one prompt from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    parser.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--chunked-prefill-size", type=int, default=8192, help="0 disables chunked prefill")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    parser.add_argument("--mem-fraction-static", type=float, default=0.85)
+    parser.add_argument("--disable-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from parsed engine flags."""
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "load_format": args.load_format,
+        "page_size": args.page_size,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "mem_fraction_static": args.mem_fraction_static,
+        "enable_prefix_caching": not args.disable_prefix_caching,
+        "seed": args.seed,
+    }
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `moeserve generate`."""
+    p = subparsers.add_parser("generate", help="complete a prompt and print the result")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="log engine start-up")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Build the engine, generate, print the completion."""
+    from moeserve.core.sampling_params import SamplingParams
+    from moeserve.engine.llm import LLM
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sample_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    out = llm.generate([args.prompt], params)[0]
+    print(out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids)))
+    return 0

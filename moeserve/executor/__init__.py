@@ -1,0 +1,1 @@
+"""Model runner: turns the scheduler's batch into tensors, runs the model, samples."""

@@ -1,0 +1,1 @@
+"""Model building blocks: MLA attention, MoE, dense MLP, norms, rotary embedding, sampler."""

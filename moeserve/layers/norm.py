@@ -1,0 +1,20 @@
+"""RMSNorm module."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve import ops
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,1 @@
+"""Model definitions and the checkpoint loader."""

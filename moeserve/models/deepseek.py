@@ -1,0 +1,101 @@
+"""DeepSeek-V2 / V3 causal LM (also R1, Kimi-K2, Moonlight shapes) with optional MTP layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.config.model_config import ModelConfig
+from moeserve.core.batch import ForwardBatch
+from moeserve.layers.attention import MLAAttention
+from moeserve.layers.mlp import GatedMLP
+from moeserve.layers.moe import MoE
+from moeserve.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP (dense or MoE), each with a residual."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_idx)
+        if config.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = MoE(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekModel(nn.Module):
+    """Embedding, decoder stack, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, batch)
+        return self.norm(hidden)
+
+
+class SharedHead(nn.Module):
+    """The MTP module's own final norm and output projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek-V3 multi-token prediction module: predicts the token after next.
+
+    It combines the main model's last hidden state at position i with the embedding of token
+    i + 1 and runs one more decoder layer (KV layer index `num_hidden_layers + j`).
+    """
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        layer_idx = config.num_hidden_layers + index
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = DecoderLayer(config, layer_idx)
+        self.shared_head = SharedHead(config)
+
+    def forward(
+        self, next_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits of the token after next, this module's hidden state for chaining)."""
+        x = torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(prev_hidden)), dim=-1)
+        hidden = self.layer(positions, self.eh_proj(x), batch)
+        return self.shared_head.head(self.shared_head.norm(hidden)), hidden
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The full model: parameter names follow the Hugging Face checkpoints."""
+
+    def __init__(self, config: ModelConfig, num_mtp_layers: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(config, j) for j in range(num_mtp_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden] for every input token."""
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (float32) for the given hidden states."""
+        return self.lm_head(hidden).float()

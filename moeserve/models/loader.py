@@ -1,0 +1,180 @@
+"""Build a model and fill it from a Hugging Face checkpoint folder, or with random weights.
+
+Checkpoint names are the original DeepSeek ones: per-expert weights
+(`mlp.experts.{e}.gate_proj.weight`, ...) are stacked into one tensor per layer, and MTP
+(NextN) modules are stored as the layers after the last decoder layer. transformers' fused
+expert names (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) load too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moeserve.config.model_config import ModelConfig
+from moeserve.layers.moe import Router
+from moeserve.models.deepseek import DeepseekForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+Target = tuple[str, tuple]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not match its config."""
+
+
+def safetensors_files(path: Path) -> tuple[list[Path], list[str] | None]:
+    """The checkpoint's safetensors files, and its key list when an index names them."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))], list(weight_map)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return files, None
+
+
+def _checkpoint_keys(files: list[Path], keys: list[str] | None) -> list[str]:
+    if keys is not None:
+        return keys
+    out: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            out.extend(handle.keys())
+    return out
+
+
+def count_mtp_layers(config: ModelConfig, keys: list[str]) -> int:
+    """How many of the config's MTP layers the checkpoint actually holds."""
+    present = 0
+    for j in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{config.num_hidden_layers + j}."
+        if any(k.startswith(prefix) for k in keys):
+            present += 1
+    return present
+
+
+def build_model(config: ModelConfig, num_mtp_layers: int, dtype: torch.dtype, device: torch.device) -> DeepseekForCausalLM:
+    """Allocate an uninitialised model directly on `device` (no throwaway CPU init)."""
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(config, num_mtp_layers).to(dtype)
+    for module in model.modules():
+        # The correction bias is added to float32 scores; keep it float32 like the reference.
+        if isinstance(module, Router) and module.e_score_correction_bias is not None:
+            module.e_score_correction_bias = torch.nn.Parameter(
+                module.e_score_correction_bias.float(), requires_grad=False
+            )
+    return model.to_empty(device=device).requires_grad_(False).eval()
+
+
+def _target(name: str, config: ModelConfig, inter: int) -> Target:
+    """Map a checkpoint tensor name to (model parameter name, index into it)."""
+    layer = _LAYER.match(name)
+    if layer and int(layer.group(1)) >= config.num_hidden_layers:
+        j, rest = int(layer.group(1)) - config.num_hidden_layers, layer.group(2)
+        name = f"mtp.{j}.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.{j}.layer.{rest}"
+    expert = _EXPERT.match(name)
+    if expert:
+        prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+        if proj == "down_proj":
+            return f"{prefix}.w2_weight", (e,)
+        half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+        return f"{prefix}.w13_weight", (e, half)
+    fused = _FUSED_EXPERT.match(name)
+    if fused:
+        suffix = "w13_weight" if fused.group(2) == "gate_up_proj" else "w2_weight"
+        return f"{fused.group(1)}.{suffix}", ()
+    return name, ()
+
+
+def _fill_tied(model: DeepseekForCausalLM, params: dict[str, torch.Tensor], loaded: dict[str, int]) -> None:
+    """Copy weights a checkpoint may legitimately omit because they are shared."""
+    ties = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
+    for j in range(len(model.mtp)):
+        ties[f"mtp.{j}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        ties[f"mtp.{j}.shared_head.head.weight"] = "lm_head.weight"
+    for dst, src in ties.items():
+        if loaded.get(dst, 0) == 0 and loaded.get(src, 0) == params[src].numel():
+            params[dst].copy_(params[src])
+            loaded[dst] = params[dst].numel()
+
+
+def load_weights(model: DeepseekForCausalLM, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into place; refuse unknown, misshapen or missing weights."""
+    config = model.config
+    params = dict(model.named_parameters())
+    loaded = dict.fromkeys(params, 0)
+    device = next(iter(params.values())).device
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if _IGNORED.search(key):
+                    continue
+                pname, index = _target(key, config, config.moe_intermediate_size)
+                if pname not in params:
+                    raise CheckpointError(f"checkpoint tensor {key!r} has no place in the model ({f.name})")
+                dst = params[pname][index] if index else params[pname]
+                src = handle.get_tensor(key)
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise CheckpointError(f"{key!r}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
+                dst.copy_(src)
+                loaded[pname] += dst.numel()
+    _fill_tied(model, params, loaded)
+    missing = [n for n, p in params.items() if loaded[n] != p.numel()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+
+def init_dummy_weights(model: DeepseekForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights of the right shapes, drawn on the model's device.
+
+    Matrices are normal(0, std), norm scales ones, biases and routing corrections zeros: the
+    same recipe as the shared random checkpoint, so routing spreads over experts the same way.
+    """
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in params.items():
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif name.endswith(("bias", "e_score_correction_bias")):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
+def load_model(
+    config: ModelConfig,
+    path: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> DeepseekForCausalLM:
+    """Build the model on `device` and fill it from `path` (or randomly for load_format='dummy')."""
+    if load_format == "dummy":
+        model = build_model(config, config.num_nextn_predict_layers, dtype, device)
+        init_dummy_weights(model, seed)
+        return model
+    if path is None:
+        raise CheckpointError("a checkpoint path is needed unless load_format='dummy'")
+    files, keys = safetensors_files(Path(path))
+    num_mtp = count_mtp_layers(config, _checkpoint_keys(files, keys))
+    model = build_model(config, num_mtp, dtype, device)
+    load_weights(model, files)
+    logger.info("loaded %d safetensors files from %s (%d MTP layers)", len(files), path, num_mtp)
+    return model

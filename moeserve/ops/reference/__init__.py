@@ -1,0 +1,1 @@
+"""Pure PyTorch reference implementations of every op; they run anywhere, CPU included."""

@@ -1,0 +1,77 @@
+"""Reference MoE: expert selection for every DeepSeek routing variant, and the expert MLPs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, use_top2_sum: bool) -> torch.Tensor:
+    """True for experts inside the `topk_group` best groups of each token."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, n_group, experts // n_group)
+    if use_top2_sum and grouped.shape[-1] >= 2:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    best = group_scores.topk(topk_group, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    topk_method: str,
+    scoring_func: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None,
+    scale_after_norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick `top_k` experts per token and their weights -> (weights fp32 [T, k], ids int64 [T, k]).
+
+    DeepSeek-V2 (`scale_after_norm=False`): weights are either renormalised or scaled by
+    `routed_scaling_factor`. DeepSeek-V3 (`True`): renormalised if asked, then always scaled.
+    """
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if topk_method != "greedy" and n_group > 1:
+        keep = _group_mask(choice, n_group, topk_group, use_top2_sum=topk_method == "noaux_tc")
+        # V2 masks with 0 (softmax scores are positive); a biased sigmoid score may be negative.
+        fill = float("-inf") if topk_method == "noaux_tc" else 0.0
+        choice = choice.masked_fill(~keep, fill)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    normalise = norm_topk_prob and top_k > 1
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if scale_after_norm or not normalise:
+        weights = weights * routed_scaling_factor
+    return weights, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted sum over each token's experts of down(silu(gate(x)) * up(x)).
+
+    `w13` is [E, 2*I, H] (gate rows then up rows) and `w2` is [E, H, I], one slice per expert.
+    """
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    inter = w2.shape[-1]
+    for expert in topk_ids.unique().tolist():
+        rows, slot = torch.where(topk_ids == expert)
+        x = hidden[rows]
+        gate_up = F.linear(x, w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(act, w2[expert])
+        out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None])
+    return out.to(hidden.dtype)

@@ -1,0 +1,1 @@
+"""Capacity and deployment planner (`moeserve plan`): pure arithmetic, no torch, no GPU."""

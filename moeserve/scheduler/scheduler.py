@@ -1,0 +1,203 @@
+"""FCFS continuous batching with a token budget, chunked prefill and retraction.
+
+Each step: running requests go first, in admission order, each computing its next chunk (one
+token once decoding); then waiting requests are admitted in arrival order while the token
+budget, the sequence limit and the KV reservation allow. If a running request cannot get a KV
+page, the youngest running request is retracted: its pages are released (whole computed pages
+stay in the prefix cache) and it goes back to the head of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from moeserve.cache.kv_manager import KVCacheManager
+from moeserve.config.engine_config import EngineConfig
+from moeserve.core.batch import ScheduleBatch, ScheduledRequest
+from moeserve.core.outputs import EngineCoreOutput, SampledToken
+from moeserve.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the metrics endpoint and tests read."""
+
+    num_retractions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    last_decode_batch_size: int = 0
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes."""
+
+    def __init__(self, engine: EngineConfig, kv: KVCacheManager) -> None:
+        self.engine = engine
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.new_token_ratio = engine.init_new_token_ratio
+        self.stats = SchedulerStats()
+
+    # -- queue management -------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request."""
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request wherever it is and give back its KV pages."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+
+    def _retract(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_retractions += 1
+        self.waiting.appendleft(victim)
+        self.stats.num_retractions += 1
+        self.new_token_ratio = self.engine.init_new_token_ratio
+        logger.warning(
+            "KV cache full: retracted request %s (%d tokens) back to the queue; it will be recomputed "
+            "(retractions so far: %d)",
+            victim.request_id,
+            victim.num_tokens,
+            self.stats.num_retractions,
+        )
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def _chunk(self, req: Request, budget: int, batch_empty: bool) -> int:
+        """Tokens `req` computes this step under the remaining budget (0: not this step)."""
+        todo = req.num_uncomputed_tokens
+        if self.engine.chunked_prefill:
+            return min(todo, self.engine.chunked_prefill_size, budget)
+        # Without chunking a prompt runs whole; one that exceeds the budget runs alone.
+        return todo if todo <= budget or batch_empty else 0
+
+    def _schedule_running(self, batch: ScheduleBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget, not batch.items)
+            if n == 0:
+                break
+            while not self.kv.allocate(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._retract(victim)
+                if victim is req:
+                    break
+            else:
+                batch.items.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _reserved_pages(self, req: Request) -> int:
+        """Pages `req` is still expected to need: its whole prompt plus a share of max_tokens."""
+        future = req.num_tokens + int(req.remaining_max_tokens * self.new_token_ratio + 0.999)
+        return max(0, self.kv.pages_for(future) - len(req.page_table))
+
+    def _can_admit(self, req: Request, n: int) -> bool:
+        need_now = max(0, self.kv.pages_for(req.num_computed_tokens + n) - len(req.page_table))
+        if not self.running:
+            return need_now <= self.kv.available_pages
+        reserved = sum(self._reserved_pages(r) for r in self.running)
+        return max(need_now, self._reserved_pages(req)) + reserved <= self.kv.available_pages
+
+    def _admit_waiting(self, batch: ScheduleBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.match_prefix(req)
+            n = self._chunk(req, budget, not batch.items)
+            if n == 0 or not self._can_admit(req, n) or not self.kv.allocate(req, req.num_computed_tokens + n):
+                self.kv.release(req)
+                req.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.items.append(ScheduledRequest(req, n))
+            budget -= n
+            if req.num_retractions == 0:
+                req.num_cached_tokens = cached
+                self.stats.prompt_tokens += len(req.prompt_token_ids)
+                self.stats.prefix_queried_tokens += len(req.prompt_token_ids)
+                self.stats.prefix_hit_tokens += cached
+
+    def schedule(self) -> ScheduleBatch:
+        """Pick this step's work."""
+        batch = ScheduleBatch()
+        retractions_before = self.stats.num_retractions
+        budget = self._schedule_running(batch, self.engine.max_num_batched_tokens)
+        if self.stats.num_retractions == retractions_before:
+            self._admit_waiting(batch, budget)
+            self.new_token_ratio = max(
+                self.engine.min_new_token_ratio, self.new_token_ratio - self.engine.new_token_ratio_decay
+            )
+        self.stats.last_decode_batch_size = batch.num_decodes
+        return batch
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        p = req.sampling_params
+        if len(req.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if req.remaining_max_tokens == 0:
+            return "length", None
+        return None
+
+    def update(self, batch: ScheduleBatch, sampled: list[SampledToken]) -> list[EngineCoreOutput]:
+        """Advance requests by what the step computed; finish those that stop."""
+        by_request = {id(s.request): s for s in sampled}
+        outputs = []
+        for item in batch.items:
+            req = item.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += item.num_new_tokens
+            if item.num_new_tokens > 1:
+                self.kv.cache_prefix(req)
+            s = by_request.get(id(req))
+            if s is None:
+                continue
+            req.output_token_ids.append(s.token_id)
+            if s.logprobs is not None:
+                req.output_logprobs.append(s.logprobs)
+            self.stats.generation_tokens += 1
+            out = EngineCoreOutput(
+                req.request_id,
+                [s.token_id],
+                [s.logprobs] if s.logprobs is not None else [],
+                num_prompt_tokens=len(req.prompt_token_ids),
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            stop = self._stop_reason(req, s.token_id)
+            if stop is not None:
+                self.finish(req, *stop)
+                out.finish_reason, out.stop_reason = stop
+            outputs.append(out)
+        return outputs
