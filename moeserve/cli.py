@@ -10,10 +10,13 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    # Registration imports stay light: each command imports its heavy modules when it runs.
+    from moeserve.bench.cli import add_bench_parser
     from moeserve.engine.generate_cli import add_generate_parser
     from moeserve.planner.cli import add_plan_parser
 
     add_generate_parser(sub)
+    add_bench_parser(sub)
     add_plan_parser(sub)
     return parser
 

@@ -18,9 +18,13 @@ class MLAKVCache:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_scale: float = 1.0,
     ) -> None:
         self.page_size = page_size
         self.kv_lora_rank = config.kv_lora_rank
+        # FP8 caches store value / kv_scale; 1.0 (no calibration) as in vLLM and SGLang defaults.
+        self.kv_scale = kv_scale
+        self.dtype = dtype
         self.buffer = torch.zeros(
             num_layers, num_pages + 1, page_size, config.kv_cache_dim, dtype=dtype, device=device
         )

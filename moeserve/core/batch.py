@@ -53,26 +53,29 @@ class ForwardBatch:
 
     Rows (requests) are ordered decodes first: the first `num_decodes` rows compute one token
     each against their cached prefix; the rest are extends (prefill chunks) whose tokens follow.
+    Device tensors feed the kernels; the Python lists and ints describe the same batch to the
+    host (launch sizes, reference ops) without a device sync.
     """
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] flat KV slot each new token writes
     block_table: torch.Tensor  # [B, max_pages] int32
-    seq_lens: list[int]  # per row, cached + new tokens
-    query_lens: list[int]  # per row, new tokens
+    seq_lens_t: torch.Tensor  # [B] int32, cached + new tokens per row
+    seq_lens: list[int]
+    query_lens: list[int]
     num_decodes: int
-    extend_use_mha: bool  # prefill form for the extend rows (see layers.attention)
     logits_indices: torch.Tensor  # [N] token index of each row that samples
     kv_cache: MLAKVCache
+    # Extend rows only (empty when the batch is all decodes):
+    extend_use_mha: bool = False  # prefill form for the extend rows (see layers.attention)
+    extend_query_start_loc: torch.Tensor | None = None  # [E + 1] int32, into the extend tokens
+    extend_kv_start_loc: torch.Tensor | None = None  # [E + 1] int32, cumulative extend seq_lens
+    max_extend_len: int = 0
+    max_extend_seq_len: int = 0
+    extend_has_prefix: bool = False
 
     @property
     def num_decode_tokens(self) -> int:
         """Tokens of the decode rows (one each)."""
         return self.num_decodes
-
-    @property
-    def extend_prefix_lens(self) -> list[int]:
-        """Cached tokens before each extend row's new ones."""
-        rows = range(self.num_decodes, len(self.seq_lens))
-        return [self.seq_lens[i] - self.query_lens[i] for i in rows]

@@ -43,6 +43,9 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
+    def _int32(self, values: list[int]) -> torch.Tensor:
+        return self._to_device(np.asarray(values, dtype=np.int32))
+
     def prepare(self, items: list[ScheduledRequest]) -> ForwardBatch:
         """Flatten scheduled requests (already ordered decodes first) into forward tensors."""
         ids, positions, slots, seq_lens, query_lens, logits_rows = [], [], [], [], [], []
@@ -63,20 +66,33 @@ class ModelRunner:
             if it.samples:
                 logits_rows.append(num_tokens - 1)
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-        ext_q = query_lens[num_decodes:]
-        ext_p = [s - q for s, q in zip(seq_lens[num_decodes:], ext_q, strict=True)]
-        return ForwardBatch(
+        fb = ForwardBatch(
             input_ids=self._to_device(np.concatenate(ids)),
             positions=self._to_device(np.concatenate(positions)),
             slot_mapping=self._to_device(np.concatenate(slots)),
             block_table=self._to_device(block_table),
+            seq_lens_t=self._int32(seq_lens),
             seq_lens=seq_lens,
             query_lens=query_lens,
             num_decodes=num_decodes,
-            extend_use_mha=use_mha_for_extend(ext_q, ext_p, self.engine.mha_threshold),
             logits_indices=self._to_device(np.asarray(logits_rows, dtype=np.int64)),
             kv_cache=self.kv_cache,
         )
+        if num_decodes < len(items):
+            self._describe_extends(fb)
+        return fb
+
+    def _describe_extends(self, fb: ForwardBatch) -> None:
+        """Fill the extend-row metadata and pick the prefill attention form."""
+        ext_q = fb.query_lens[fb.num_decodes :]
+        ext_s = fb.seq_lens[fb.num_decodes :]
+        ext_p = [s - q for s, q in zip(ext_s, ext_q, strict=True)]
+        fb.extend_use_mha = use_mha_for_extend(ext_q, ext_p, self.engine.mha_threshold)
+        fb.extend_query_start_loc = self._int32([0, *np.cumsum(ext_q).tolist()])
+        fb.extend_kv_start_loc = self._int32([0, *np.cumsum(ext_s).tolist()])
+        fb.max_extend_len = max(ext_q)
+        fb.max_extend_seq_len = max(ext_s)
+        fb.extend_has_prefix = any(ext_p)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         vocab = self.config.vocab_size

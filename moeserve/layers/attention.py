@@ -26,7 +26,7 @@ from moeserve import ops
 from moeserve.config.model_config import ModelConfig
 from moeserve.core.batch import ForwardBatch
 from moeserve.layers.norm import RMSNorm
-from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.layers.rotary import RotaryFrequencies
 
 
 def use_mha_for_extend(extend_lens: list[int], prefix_lens: list[int], threshold: int) -> bool:
@@ -36,7 +36,11 @@ def use_mha_for_extend(extend_lens: list[int], prefix_lens: list[int], threshold
 
 
 class MLAAttention(nn.Module):
-    """DeepSeek-V2/V3 attention with a compressed, paged KV cache."""
+    """DeepSeek-V2/V3 attention with a compressed, paged KV cache.
+
+    The two projections that read the hidden state (the query's first projection, q_proj or
+    q_a_proj, and kv_a_proj_with_mqa) are one matrix, `fused_qkv_a_proj`, so they cost one GEMM.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -47,88 +51,96 @@ class MLAAttention(nn.Module):
         self.v_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.scale = config.softmax_scale
-        hidden, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        hidden, heads = config.hidden_size, config.num_attention_heads
         q_out = heads * config.qk_head_dim
         self.q_lora_rank = config.q_lora_rank
-        if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+        self.q_a_dim = q_out if config.q_lora_rank is None else config.q_lora_rank
+        self.fused_qkv_a_proj = nn.Linear(hidden, self.q_a_dim + config.kv_cache_dim, bias=config.attention_bias)
+        if config.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
-        self.rotary_emb = RotaryEmbedding(config.rope, self.rope_dim, config.rope_interleave)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
+        self.rotary = RotaryFrequencies(config.rope, self.rope_dim, config.rope_interleave)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into its key part [H, nope, rank] and value part [H, v, rank]."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def _queries(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        return q.view(hidden.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (queries [T, H, qk_head_dim], kv_a output [T, rank + rope_dim])."""
+        q_a, kv = self.fused_qkv_a_proj(hidden).split([self.q_a_dim, self.kv_lora_rank + self.rope_dim], dim=-1)
+        q = q_a if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_a))
+        return q.view(hidden.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q = self._queries(hidden)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv = self.kv_a_proj_with_mqa(hidden)
-        latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        q_rope, k_rope = self.rotary_emb(positions, q_rope, kv[:, self.kv_lora_rank :])
+        q, kv = self._project(hidden)
         cache = batch.kv_cache.layer(self.layer_idx)
-        ops.store_kv(cache, batch.slot_mapping, latent, k_rope)
-
-        out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
+        kv_scale = batch.kv_cache.kv_scale
+        latent, k_rope = ops.mla_rope_norm_store(
+            positions,
+            q[..., self.nope_dim :],
+            kv,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            self.rotary.inv_freq(positions.device),
+            self.rotary.magnitude,
+            self.rotary.interleaved,
+            cache,
+            batch.slot_mapping,
+            kv_scale,
+        )
         d = batch.num_decode_tokens
         w_uk, w_uv = self._w_uk_uv()
+        out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
         if d:
-            q_latent = torch.einsum("thn,hnc->thc", q_nope[:d], w_uk)
+            q_latent = torch.einsum("thn,hnc->thc", q[:d, :, : self.nope_dim], w_uk)
+            b = batch.num_decodes
             o_latent = ops.mla_decode(
-                q_latent, q_rope[:d], cache, batch.block_table[: batch.num_decodes], batch.seq_lens[:d], self.scale
+                q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale, kv_scale
             )
             out[:d] = torch.einsum("thc,hvc->thv", o_latent, w_uv)
         if hidden.shape[0] > d:
-            rows = slice(batch.num_decodes, None)
             if batch.extend_use_mha:
-                out[d:] = self._extend_mha(q_nope[d:], q_rope[d:], latent[d:], k_rope[d:], cache, batch)
+                out[d:] = self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch)
             else:
-                q_latent = torch.einsum("thn,hnc->thc", q_nope[d:], w_uk)
-                o_latent = ops.mla_extend_absorbed(
-                    q_latent,
-                    q_rope[d:],
-                    cache,
-                    batch.block_table[rows],
-                    batch.seq_lens[rows],
-                    batch.query_lens[rows],
-                    self.scale,
-                )
-                out[d:] = torch.einsum("thc,hvc->thv", o_latent, w_uv)
+                out[d:] = self._extend_absorbed(q[d:], cache, batch, w_uk, w_uv)
         return self.o_proj(out.flatten(1))
 
+    def _extend_absorbed(
+        self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, w_uk: torch.Tensor, w_uv: torch.Tensor
+    ) -> torch.Tensor:
+        b = batch.num_decodes
+        q_latent = torch.einsum("thn,hnc->thc", q[..., : self.nope_dim], w_uk)
+        o_latent = ops.mla_extend_absorbed(
+            q_latent,
+            q[..., self.nope_dim :],
+            cache,
+            batch.block_table[b:],
+            batch.seq_lens_t[b:],
+            batch.extend_query_start_loc,
+            batch.max_extend_len,
+            self.scale,
+            batch.kv_cache.kv_scale,
+        )
+        return torch.einsum("thc,hvc->thv", o_latent, w_uv)
+
     def _extend_mha(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        cache: torch.Tensor,
-        batch: ForwardBatch,
+        self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """Decompressed attention for the extend rows, reading any cached prefix back from pages."""
-        rows = slice(batch.num_decodes, None)
-        seq_lens, query_lens = batch.seq_lens[rows], batch.query_lens[rows]
-        if any(s != q for s, q in zip(seq_lens, query_lens, strict=True)):
-            tables = batch.block_table[rows]
-            kv = torch.cat([ops.gather_kv(cache, tables[i], s) for i, s in enumerate(seq_lens)])
+        b = batch.num_decodes
+        cu_k = batch.extend_query_start_loc
+        max_kv = batch.max_extend_len
+        if batch.extend_has_prefix:
+            cu_k, max_kv = batch.extend_kv_start_loc, batch.max_extend_seq_len
+            kv = ops.gather_kv(cache, batch.block_table[b:], batch.seq_lens_t[b:], cu_k, q.dtype, batch.kv_cache.kv_scale)
             latent, k_rope = kv[:, : self.kv_lora_rank], kv[:, self.kv_lora_rank :]
-        kv_b = self.kv_b_proj(latent.to(q_nope.dtype)).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        kv_b = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv_b.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope = k_rope.to(q_nope.dtype)[:, None, :].expand(-1, self.num_heads, -1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, k_rope), dim=-1)
-        return ops.varlen_attention(q, k, v, query_lens, seq_lens, self.scale)
+        k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
+        return ops.varlen_attention(
+            q, k, v, batch.extend_query_start_loc, cu_k, batch.max_extend_len, max_kv, self.scale
+        )

@@ -1,4 +1,4 @@
-"""RMSNorm module."""
+"""RMSNorm module (optionally fused with the residual add)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

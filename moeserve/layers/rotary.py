@@ -1,11 +1,10 @@
-"""Rotary position embedding, plain or YaRN-scaled as DeepSeek uses it."""
+"""Rotary position embedding frequencies, plain or YaRN-scaled as DeepSeek uses them."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import nn
 
 from moeserve.config.model_config import RopeConfig, yarn_mscale
 
@@ -23,7 +22,7 @@ def _yarn_correction_range(rope: RopeConfig, dim: int) -> tuple[int, int]:
 
 
 def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [dim / 2] and the magnitude factor applied to cos/sin."""
+    """Inverse frequencies [dim / 2] (float32, CPU) and the magnitude factor applied to cos/sin."""
     base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolated = 1.0 / base
     if rope.type != "yarn":
@@ -40,37 +39,17 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, factor
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates the rotary part of queries and keys by each token's position."""
+class RotaryFrequencies:
+    """Per-device cache of the inverse frequencies (kept off the module tree on purpose, so that
+    building the model on the meta device does not lose them)."""
 
     def __init__(self, rope: RopeConfig, dim: int, interleaved: bool) -> None:
-        super().__init__()
-        inv_freq, self.magnitude = rope_frequencies(rope, dim)
-        # A plain attribute, not a buffer: it must survive building the model on the meta device.
-        self._inv_freq_cpu = inv_freq
-        self._inv_freq: torch.Tensor | None = None
+        self._cpu, self.magnitude = rope_frequencies(rope, dim)
+        self._on_device: torch.Tensor | None = None
         self.interleaved = interleaved
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq_cpu.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        return freqs.cos() * self.magnitude, freqs.sin() * self.magnitude
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        if self.interleaved:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            half = xf.shape[-1] // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, dim], k: [T, dim] -> rotated copies."""
-        cos, sin = self._cos_sin(positions)
-        return self._rotate(q, cos[:, None, :], sin[:, None, :]), self._rotate(k, cos, sin)
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies on `device`."""
+        if self._on_device is None or self._on_device.device != device:
+            self._on_device = self._cpu.to(device)
+        return self._on_device

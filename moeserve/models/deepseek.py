@@ -26,9 +26,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it); the caller adds them.
+
+        Deferring each residual add into the next norm lets one fused op do add + norm.
+        """
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DeepseekModel(nn.Module):
@@ -41,10 +52,10 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, batch)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class SharedHead(nn.Module):
@@ -78,8 +89,9 @@ class MTPLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits of the token after next, this module's hidden state for chaining)."""
         x = torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(prev_hidden)), dim=-1)
-        hidden = self.layer(positions, self.eh_proj(x), batch)
-        return self.shared_head.head(self.shared_head.norm(hidden)), hidden
+        hidden, residual = self.layer(positions, self.eh_proj(x), None, batch)
+        normed, hidden = self.shared_head.norm.add_and_norm(hidden, residual)
+        return self.shared_head.head(normed).float(), hidden
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -27,6 +27,8 @@ _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Checkpoint matrices that moeserve stores stacked with a sibling, so one GEMM computes both.
+_STACKED = re.compile(r"^(.*?)\.(gate_proj|up_proj|q_proj|q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 
 Target = tuple[str, tuple]
 
@@ -80,7 +82,7 @@ def build_model(config: ModelConfig, num_mtp_layers: int, dtype: torch.dtype, de
     return model.to_empty(device=device).requires_grad_(False).eval()
 
 
-def _target(name: str, config: ModelConfig, inter: int) -> Target:
+def _target(name: str, config: ModelConfig, params: dict[str, torch.Tensor]) -> Target:
     """Map a checkpoint tensor name to (model parameter name, index into it)."""
     layer = _LAYER.match(name)
     if layer and int(layer.group(1)) >= config.num_hidden_layers:
@@ -91,13 +93,44 @@ def _target(name: str, config: ModelConfig, inter: int) -> Target:
         prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
         if proj == "down_proj":
             return f"{prefix}.w2_weight", (e,)
+        inter = config.moe_intermediate_size
         half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
         return f"{prefix}.w13_weight", (e, half)
     fused = _FUSED_EXPERT.match(name)
     if fused:
         suffix = "w13_weight" if fused.group(2) == "gate_up_proj" else "w2_weight"
         return f"{fused.group(1)}.{suffix}", ()
+    stacked = _STACKED.match(name)
+    if stacked:
+        prefix, proj, kind = stacked.groups()
+        if proj in ("gate_proj", "up_proj"):
+            target = f"{prefix}.gate_up_proj.{kind}"
+            if target in params:
+                half = params[target].shape[0] // 2
+                return target, (slice(0, half) if proj == "gate_proj" else slice(half, 2 * half),)
+        else:
+            target = f"{prefix}.fused_qkv_a_proj.{kind}"
+            if target in params:
+                kv_rows = config.kv_cache_dim
+                q_rows = params[target].shape[0] - kv_rows
+                part = slice(q_rows, q_rows + kv_rows) if proj == "kv_a_proj_with_mqa" else slice(0, q_rows)
+                return target, (part,)
     return name, ()
+
+
+def _zero_unbiased_query_rows(
+    model: DeepseekForCausalLM, params: dict[str, torch.Tensor], loaded: dict[str, int]
+) -> None:
+    """With attention_bias but no q_lora, checkpoints bias kv_a_proj_with_mqa but not q_proj:
+    the q rows of the fused bias are zero by definition, not missing."""
+    config = model.config
+    if not (config.attention_bias and config.q_lora_rank is None):
+        return
+    for name, p in params.items():
+        if name.endswith("fused_qkv_a_proj.bias"):
+            q_rows = p.shape[0] - config.kv_cache_dim
+            p[:q_rows].zero_()
+            loaded[name] += q_rows
 
 
 def _fill_tied(model: DeepseekForCausalLM, params: dict[str, torch.Tensor], loaded: dict[str, int]) -> None:
@@ -118,12 +151,13 @@ def load_weights(model: DeepseekForCausalLM, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     loaded = dict.fromkeys(params, 0)
     device = next(iter(params.values())).device
+    _zero_unbiased_query_rows(model, params, loaded)
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if _IGNORED.search(key):
                     continue
-                pname, index = _target(key, config, config.moe_intermediate_size)
+                pname, index = _target(key, config, params)
                 if pname not in params:
                     raise CheckpointError(f"checkpoint tensor {key!r} has no place in the model ({f.name})")
                 dst = params[pname][index] if index else params[pname]

@@ -25,7 +25,8 @@ def test_store_then_gather_round_trips(page_size):
     gen = torch.Generator().manual_seed(page_size)
     kv = torch.randn(37, 40, generator=gen)
     cache, table = paged(kv, page_size, gen)
-    assert torch.equal(ops.gather_kv(cache, table, 37), kv)
+    got = ops.gather_kv(cache, table[None], torch.tensor([37]), torch.tensor([0, 37]), torch.float32)
+    assert torch.equal(got, kv)
 
 
 def decompress(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
@@ -61,21 +62,25 @@ def test_absorbed_forms_equal_decompressed_attention(page_size):
     for i, t in enumerate(tables):
         table[i, : t.numel()] = t + offsets[i]
     q = torch.cat(qs)
-    expected = ops.varlen_attention(q, torch.cat(ks), torch.cat(vs), query_lens, seq_lens, scale)
+    cu_q = torch.tensor([0, *query_lens]).cumsum(0).int()
+    cu_k = torch.tensor([0, *seq_lens]).cumsum(0).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expected = ops.varlen_attention(q, torch.cat(ks), torch.cat(vs), cu_q, cu_k, max(query_lens), max(seq_lens), scale)
     q_latent = torch.einsum("thn,hnc->thc", q[..., :nope], w_uk)
-    latent_out = ops.mla_extend_absorbed(q_latent, q[..., nope:], cache, table, seq_lens, query_lens, scale)
+    latent_out = ops.mla_extend_absorbed(q_latent, q[..., nope:], cache, table, lens, cu_q, max(query_lens), scale)
     got = torch.einsum("thc,hvc->thv", latent_out, w_uv)
     assert torch.allclose(got, expected, atol=1e-5)
     # Decode: the last query of each sequence alone.
     last = torch.tensor(query_lens).cumsum(0) - 1
-    dec = ops.mla_decode(q_latent[last], q[last, :, nope:], cache, table, seq_lens, scale)
+    dec = ops.mla_decode(q_latent[last], q[last, :, nope:], cache, table, lens, scale)
     assert torch.allclose(torch.einsum("thc,hvc->thv", dec, w_uv), expected[last], atol=1e-5)
 
 
 def test_varlen_attention_matches_dense_causal():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(10, 2, 8, generator=gen) for _ in range(3))
-    out = ops.varlen_attention(q, k, v, [10], [10], 0.5)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    out = ops.varlen_attention(q, k, v, cu, cu, 10, 10, 0.5)
     scores = torch.einsum("qhd,khd->hqk", q, k) * 0.5
     scores.masked_fill_(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
     assert torch.allclose(out, torch.einsum("hqk,khd->qhd", scores.softmax(-1), v), atol=1e-6)
@@ -152,3 +157,37 @@ def test_rms_norm():
     w = torch.rand(32)
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     assert torch.allclose(ops.rms_norm(x, w, 1e-6), expected, atol=1e-6)
+
+
+def test_fp8_cache_round_trip_within_e4m3_precision():
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randn(20, 40, generator=gen)
+    cache = torch.zeros(4, 8, 40, dtype=torch.float8_e4m3fn)
+    slots = torch.arange(20) + 8
+    ops.store_kv(cache, slots, kv[:, :-8], kv[:, -8:], kv_scale=0.5)
+    table = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    back = ops.gather_kv(cache, table, torch.tensor([20]), torch.tensor([0, 20]), torch.float32, kv_scale=0.5)
+    rel = (back - kv).abs() / kv.abs().clamp(min=0.05)
+    assert rel.max() < 0.07  # e4m3 keeps 3 mantissa bits: at most 1/16 relative error
+
+
+def test_fused_add_rms_norm_and_rope_store_compose():
+    gen = torch.Generator().manual_seed(2)
+    x, r, w = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen), torch.rand(16, generator=gen)
+    normed, summed = ops.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r) and torch.allclose(normed, ops.rms_norm(x + r, w, 1e-6))
+    from moeserve.ops.reference.rope import rope_cos_sin, rotate
+
+    pos = torch.tensor([0, 3, 7, 100, 5])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    q = torch.randn(5, 2, 24, generator=gen)
+    q_before = q.clone()
+    kv = torch.randn(5, 40, generator=gen)
+    cache = torch.zeros(3, 4, 40)
+    slots = torch.tensor([4, 5, 6, 7, 8])
+    latent, k_rope = ops.mla_rope_norm_store(pos, q[..., 16:], kv, w[:8].repeat(4), 1e-6, inv_freq, 1.0, True, cache, slots)
+    cos, sin = rope_cos_sin(pos, inv_freq, 1.0)
+    assert torch.allclose(q[..., 16:], rotate(q_before[..., 16:], cos[:, None], sin[:, None], True))
+    assert torch.equal(q[..., :16], q_before[..., :16])
+    assert torch.allclose(latent, ops.rms_norm(kv[:, :32], w[:8].repeat(4), 1e-6))
+    assert torch.allclose(cache.view(-1, 40)[slots], torch.cat((latent, k_rope), dim=-1))

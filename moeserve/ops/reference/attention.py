@@ -1,31 +1,72 @@
-"""Reference MLA attention: latent KV store/gather, absorbed decode and extend, MHA varlen."""
+"""Reference MLA attention: latent KV store/gather, absorbed decode and extend, MHA varlen.
+
+The paged cache of one layer is [pages, page_size, kv_lora_rank + qk_rope_head_dim]. It may be
+stored in FP8 (e4m3) with one per-tensor scale: stored = value / kv_scale, value = stored * kv_scale.
+"""
 
 from __future__ import annotations
 
 import torch
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """Cast to the cache dtype, scaling and saturating when that dtype is FP8."""
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, kv_scale: float) -> torch.Tensor:
+    """Cache values back to float32."""
+    out = x.float()
+    return out * kv_scale if x.dtype == torch.float8_e4m3fn else out
+
+
+def store_kv(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    kv_scale: float = 1.0,
+) -> None:
     """Write each token's latent and rotary key into its slot of one layer's paged cache."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     rank = latent.shape[-1]
-    flat[slot_mapping, :rank] = latent.to(flat.dtype)
-    flat[slot_mapping, rank:] = k_rope.to(flat.dtype)
+    flat[slot_mapping, :rank] = quantize_kv(latent, flat.dtype, kv_scale)
+    flat[slot_mapping, rank:] = quantize_kv(k_rope, flat.dtype, kv_scale)
 
 
-def gather_kv(kv_cache: torch.Tensor, page_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first `seq_len` cached rows, in token order: [seq_len, kv_cache_dim]."""
+def _gather_one(kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int, kv_scale: float) -> torch.Tensor:
     page_size = kv_cache.shape[1]
     num_pages = -(-seq_len // page_size)
-    return kv_cache[page_table[:num_pages].long()].reshape(-1, kv_cache.shape[-1])[:seq_len]
+    rows = kv_cache[pages[:num_pages].long()].reshape(-1, kv_cache.shape[-1])[:seq_len]
+    return dequantize_kv(rows, kv_scale)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out_dtype: torch.dtype,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    """Each sequence's cached rows in token order, packed: [sum(seq_lens), kv_cache_dim]."""
+    total = int(cu_seqlens[-1])
+    out = torch.empty(total, kv_cache.shape[-1], dtype=out_dtype, device=kv_cache.device)
+    for b, (start, seq_len) in enumerate(zip(cu_seqlens[:-1].tolist(), seq_lens.tolist(), strict=True)):
+        out[start : start + seq_len] = _gather_one(kv_cache, block_table[b], seq_len, kv_scale).to(out_dtype)
+    return out
 
 
 def _absorbed_attention(
     q_latent: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, scale: float, prefix_len: int
 ) -> torch.Tensor:
-    """Causal attention of `q` (the last rows of a sequence) over latent `kv`, in the latent space."""
+    """Causal attention of `q` (the last rows of a sequence) over float32 latent `kv`."""
     rank = q_latent.shape[-1]
-    latent, k_rope = kv[:, :rank].float(), kv[:, rank:].float()
+    latent, k_rope = kv[:, :rank], kv[:, rank:]
     scores = torch.einsum("qhc,kc->hqk", q_latent.float(), latent)
     scores += torch.einsum("qhr,kr->hqk", q_rope.float(), k_rope)
     scores *= scale
@@ -33,8 +74,7 @@ def _absorbed_attention(
     q_pos = torch.arange(q_len, device=kv.device)[:, None] + prefix_len
     mask = torch.arange(k_len, device=kv.device)[None, :] > q_pos
     scores.masked_fill_(mask[None], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("hqk,kc->qhc", probs, latent)
+    return torch.einsum("hqk,kc->qhc", scores.softmax(dim=-1), latent)
 
 
 def mla_decode(
@@ -42,13 +82,14 @@ def mla_decode(
     q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
-    seq_lens: list[int],
+    seq_lens: torch.Tensor,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed-form decode: one query per sequence over its whole latent cache -> [B, H, rank]."""
     out = torch.empty_like(q_latent)
-    for b, seq_len in enumerate(seq_lens):
-        kv = gather_kv(kv_cache, block_table[b], seq_len)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        kv = _gather_one(kv_cache, block_table[b], seq_len, kv_scale)
         out[b] = _absorbed_attention(q_latent[b : b + 1], q_rope[b : b + 1], kv, scale, seq_len - 1)[0]
     return out
 
@@ -58,19 +99,21 @@ def mla_extend_absorbed(
     q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
-    seq_lens: list[int],
-    query_lens: list[int],
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Absorbed-form prefill: each sequence's new queries attend causally to its cached prefix and
-    to themselves (already stored in the cache) -> [T, H, rank]."""
+    """Absorbed-form prefill: each sequence's new queries (rows query_start_loc[b]:[b+1]) attend
+    causally to its cached prefix and to themselves, already stored in the cache -> [T, H, rank]."""
     out = torch.empty_like(q_latent)
-    start = 0
-    for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        kv = gather_kv(kv_cache, block_table[b], seq_len)
-        rows = slice(start, start + q_len)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[b], starts[b + 1])
+        q_len = starts[b + 1] - starts[b]
+        kv = _gather_one(kv_cache, block_table[b], seq_len, kv_scale)
         out[rows] = _absorbed_attention(q_latent[rows], q_rope[rows], kv, scale, seq_len - q_len)
-        start += q_len
     return out
 
 
@@ -78,24 +121,27 @@ def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    query_lens: list[int],
-    kv_lens: list[int],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_query_len: int,
+    max_kv_len: int,
     scale: float,
 ) -> torch.Tensor:
     """Multi-head causal attention over packed variable-length sequences.
 
-    Queries are the last `query_lens[i]` positions of sequence i, whose keys/values are packed in
-    `k`/`v` (`kv_lens[i]` rows each): the causal mask is aligned bottom-right.
+    Sequence i's queries are rows cu_seqlens_q[i]:[i+1] of `q`, its keys/values rows
+    cu_seqlens_k[i]:[i+1] of `k`/`v`; the queries are the last positions of the sequence, so the
+    causal mask is aligned bottom-right.
     """
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    qs = ks = 0
-    for q_len, kv_len in zip(query_lens, kv_lens, strict=True):
-        qi, ki, vi = q[qs : qs + q_len].float(), k[ks : ks + kv_len].float(), v[ks : ks + kv_len].float()
+    qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(qs) - 1):
+        q_len, kv_len = qs[i + 1] - qs[i], ks[i + 1] - ks[i]
+        qi = q[qs[i] : qs[i + 1]].float()
+        ki, vi = k[ks[i] : ks[i + 1]].float(), v[ks[i] : ks[i + 1]].float()
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
         q_pos = torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)
         mask = torch.arange(kv_len, device=q.device)[None, :] > q_pos
         scores.masked_fill_(mask[None], float("-inf"))
-        out[qs : qs + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vi).to(out.dtype)
-        qs += q_len
-        ks += kv_len
+        out[qs[i] : qs[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vi).to(out.dtype)
     return out

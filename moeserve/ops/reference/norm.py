@@ -1,4 +1,4 @@
-"""Reference RMSNorm."""
+"""Reference RMSNorm, plain and fused with the residual add."""
 
 from __future__ import annotations
 
@@ -10,3 +10,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm block boundary in one op."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed

@@ -1,0 +1,1 @@
+"""Benchmarks: the HTTP client (`bench serve`) and the in-process engine benchmarks."""
