@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (small shapes only).
+# It must be chosen before any kernel is defined, hence here, before test modules import them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_checkpoints import make_checkpoint
 
