@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from moeserve.bench import latency, offline
+
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `moeserve bench` and its subcommands."""
@@ -14,4 +16,4 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 # Each benchmark module exposes add_parser(subparsers); imports stay light (heavy ones lazily inside).
-_MODULES: list = []
+_MODULES: list = [latency, offline]

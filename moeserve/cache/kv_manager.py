@@ -87,7 +87,8 @@ class KVCacheManager:
         Returns how many leading pages are now owned by the tree.
         """
         assert self.radix is not None
-        n = req.num_computed_tokens // self.page_size
+        # Placeholders of in-flight samples are not tokens yet: never put them in the tree.
+        n = min(req.num_computed_tokens, req.num_resolved_tokens) // self.page_size
         if n == 0:
             return 0
         tokens = req.all_token_ids[: n * self.page_size]

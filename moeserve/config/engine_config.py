@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
+CUDA_GRAPH_PRESETS = ("x2", "+64", "+8")
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,14 @@ class EngineConfig:
     num_kv_pages: int | None = None
     kv_cache_memory_gb: float | None = None
     mem_fraction_static: float = 0.85
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # Decode CUDA graphs: a preset (x2, +64, +8) or comma-separated batch sizes, cut at the max.
+    cuda_graph_bs: str = "x2"
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    # Prepare step N + 1 on the CPU while step N runs on the GPU.
+    disable_overlap_schedule: bool = False
     # Batching
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -40,6 +49,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
+            (
+                self.cuda_graph_bs in CUDA_GRAPH_PRESETS or all(p.strip().isdigit() for p in self.cuda_graph_bs.split(",")),
+                f"cuda_graph_bs must be one of {CUDA_GRAPH_PRESETS} or a comma-separated list of batch sizes",
+            ),
+            (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1"),
             (self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"),
             (self.page_size >= 1, "page_size must be >= 1"),
             (self.num_kv_pages is None or self.num_kv_pages >= 1, "num_kv_pages must be >= 1"),

@@ -15,16 +15,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduledRequest:
-    """A request and how many of its uncomputed tokens this step computes."""
+    """A request and the tokens this step computes for it: positions start .. start + n - 1.
+
+    When the step reaches the end of the request's tokens it samples one more, which lands at
+    `output_index` of the request's outputs (a placeholder until the step is collected).
+    """
 
     request: Request
     num_new_tokens: int
+    start: int = -1
+    output_index: int = -1
+    future_index: int = -1
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens and so samples one more."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        """Whether this step samples a token for the request."""
+        return self.output_index >= 0
 
 
 @dataclass
@@ -32,6 +42,8 @@ class ScheduleBatch:
     """The scheduler's view of one step: which requests run and how far each advances."""
 
     items: list[ScheduledRequest] = field(default_factory=list)
+    # Which of the two future-token buffers this step's samples go to (steps alternate).
+    parity: int = 0
 
     def __len__(self) -> int:
         return len(self.items)

@@ -57,6 +57,11 @@ class Request:
     stop_reason: int | str | None = None
     num_retractions: int = 0
     first_token_time: float | None = None
+    # Overlap scheduling: a sampled token is a placeholder (negative id) until its step is
+    # collected; `in_flight` counts launched steps not yet collected that include this request.
+    num_pending_tokens: int = 0
+    in_flight: int = 0
+    release_pending: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -67,6 +72,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Leading tokens whose ids are known (placeholders of in-flight samples excluded)."""
+        return self.num_tokens - self.num_pending_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -13,11 +13,12 @@ import torch
 from moeserve.cache.kv_manager import KVCacheManager
 from moeserve.config.engine_config import EngineConfig
 from moeserve.config.model_config import ModelConfig
+from moeserve.core.batch import ScheduleBatch
 from moeserve.core.outputs import EngineCoreOutput
 from moeserve.core.request import Request
 from moeserve.core.sampling_params import SamplingParams
-from moeserve.executor.kv_planner import plan_num_pages
-from moeserve.executor.model_runner import ModelRunner
+from moeserve.executor.kv_planner import MemoryPlan, plan_kv_pool
+from moeserve.executor.model_runner import ModelRunner, StepHandle
 from moeserve.models.loader import load_model
 from moeserve.scheduler import Scheduler
 
@@ -38,6 +39,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """'auto' stores the cache in the model's dtype; fp8_e4m3 halves it (bf16 -> 1 byte)."""
+    if kv_cache_dtype == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    if kv_cache_dtype == "bf16":
+        return torch.bfloat16
+    return model_dtype
 
 
 def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
@@ -64,29 +74,72 @@ class EngineCore:
         self.dtype = resolve_dtype(engine.dtype, self.device)
         model = load_model(self.model_config, path, self.dtype, self.device, engine.load_format, engine.seed)
         self.eos_token_ids = _eos_token_ids(path, self.model_config) if path.is_dir() else self.model_config.eos_token_ids
-        max_len = engine.max_model_len or self.model_config.max_position_embeddings
-        num_layers = self.model_config.num_hidden_layers + len(model.mtp)
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
-        num_pages = plan_num_pages(self.model_config, engine, num_layers, element_bytes, self.device, max_len)
-        capacity = num_pages * engine.page_size
-        if capacity < max_len:
-            logger.warning("KV pool holds %d tokens, less than max_model_len %d: capping it", capacity, max_len)
-            max_len = capacity
-        self.max_model_len = max_len
-        self.runner = ModelRunner(model, engine, num_pages, self.device)
-        self.kv = KVCacheManager(num_pages, engine.page_size, engine.enable_prefix_caching)
+        self.runner = ModelRunner(model, engine, self.device)
+        self.max_model_len, self.memory = self._plan_memory()
+        self.kv = KVCacheManager(self.memory.num_pages, engine.page_size, engine.enable_prefix_caching)
         self.scheduler = Scheduler(engine, self.kv)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(engine.seed)
-        logger.info(
-            "engine ready in %.1fs: %s %s on %s, KV %d tokens, max_model_len %d",
-            time.monotonic() - start,
-            self.model_config.model_type,
-            self.dtype,
-            self.device,
-            capacity,
-            max_len,
+        self._in_flight: tuple[ScheduleBatch, StepHandle] | None = None
+        self.startup_seconds = time.monotonic() - start
+        self._log_startup()
+
+    def _plan_memory(self) -> tuple[int, MemoryPlan]:
+        """Size the KV pool (profiling activations on GPU), allocate it, capture decode graphs."""
+        engine, runner = self.engine, self.runner
+        max_len = engine.max_model_len or self.model_config.max_position_embeddings
+        kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, self.dtype)
+        activation = graph_reserve = 0
+        if self.device.type == "cuda":
+            activation = runner.profile_activation_peak(engine.max_num_batched_tokens)
+            # The graphs' shared pool holds one decode step's activations at the largest size;
+            # a decode token needs far less than a prefill token, so this bound is generous.
+            graph_reserve = 0 if engine.disable_cuda_graph else activation // 4
+        element_bytes = torch.empty((), dtype=kv_dtype).element_size()
+        plan = plan_kv_pool(
+            self.model_config, engine, runner.num_layers, element_bytes, self.device, max_len, activation, graph_reserve
         )
+        capacity = plan.num_pages * engine.page_size
+        if capacity < max_len:
+            logger.warning("KV pool holds %d tokens, less than max_model_len %d: capping it", capacity, max_len)
+            max_len = capacity
+        runner.allocate_kv(plan.num_pages, kv_dtype)
+        if self.device.type == "cuda" and not engine.disable_cuda_graph:
+            runner.capture_cuda_graphs(max_len)
+        return max_len, plan
+
+    def _log_startup(self) -> None:
+        d = self.describe()
+        logger.info(
+            "engine ready in %.1f s: %s %s on %s; weights %.2f GiB, activation peak %.2f GiB, "
+            "graphs %d (%.0f MiB), KV pool %.2f GiB = %d tokens (%s), max %d requests at context %d",
+            self.startup_seconds, self.model_config.model_type, self.dtype, self.device, d["weights_gib"],
+            d["activation_peak_gib"], d["cuda_graphs"], d["cuda_graph_mib"], d["kv_pool_gib"], d["kv_tokens"],
+            d["kv_cache_dtype"], d["max_requests_at_context"], self.max_model_len,
+        )  # fmt: skip
+
+    def describe(self) -> dict:
+        """The engine's configuration and memory plan, for logs and benchmark records."""
+        graphs, kv = self.runner.graphs, self.runner.kv_cache
+        assert kv is not None
+        weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        tokens = self.memory.num_pages * self.engine.page_size
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(kv.dtype).removeprefix("torch."),
+            "page_size": self.engine.page_size,
+            "weights_gib": round(weights / 2**30, 3),
+            "activation_peak_gib": round(self.memory.activation_bytes / 2**30, 3),
+            "kv_pool_gib": round(kv.nbytes / 2**30, 3),
+            "kv_tokens": tokens,
+            "max_requests_at_context": tokens // self.max_model_len,
+            "cuda_graphs": len(graphs.graphs) if graphs else 0,
+            "cuda_graph_sizes": graphs.sizes if graphs else [],
+            "cuda_graph_mib": round(graphs.memory_bytes / 2**20, 1) if graphs else 0.0,
+            "cuda_graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
+            "startup_s": round(getattr(self, "startup_seconds", 0.0), 2),
+            "max_model_len": self.max_model_len,
+        }
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError naming what is wrong; return the request's total token limit."""
@@ -140,7 +193,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step would do anything."""
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def score(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every prompt position, e.g. for evaluation.
@@ -157,12 +210,22 @@ class EngineCore:
             self.kv.release(req)  # nothing is marked computed, so nothing is cached
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, and report every request's new token."""
+        """Run one step; report every request's new token.
+
+        With overlap (the default) this launches step N + 1 before collecting step N, so the
+        CPU's scheduling and bookkeeping hide behind the GPU's work and outputs arrive one step
+        late; without it each step is launched and collected in turn.
+        """
         batch = self.scheduler.schedule()
-        if not batch.items:
-            return []
-        sampled = self.runner.execute(batch)
-        outputs = self.scheduler.update(batch, sampled)
+        handle = self.runner.launch(batch) if batch.items else None
+        if self.engine.disable_overlap_schedule:
+            outputs = self.scheduler.update(batch, self.runner.collect(handle)) if handle else []
+        else:
+            outputs = []
+            if self._in_flight is not None:
+                done_batch, done_handle = self._in_flight
+                outputs = self.scheduler.update(done_batch, self.runner.collect(done_handle))
+            self._in_flight = (batch, handle) if handle else None
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)

@@ -19,7 +19,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=8192, help="0 disables chunked prefill")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
     parser.add_argument("--disable-prefix-caching", action="store_true")
+    parser.add_argument("--cuda-graph-bs", default="x2", help="x2, +64, +8 or a comma-separated list of batch sizes")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--mha-threshold", type=int, default=16384, help="prefill uses MHA once sum(e*(e+p)) reaches it")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -37,6 +43,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "mem_fraction_static": args.mem_fraction_static,
         "enable_prefix_caching": not args.disable_prefix_caching,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "cuda_graph_bs": args.cuda_graph_bs,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "disable_cuda_graph": args.disable_cuda_graph,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
+        "mha_threshold": args.mha_threshold,
         "seed": args.seed,
     }
 

@@ -59,7 +59,9 @@ class LLM:
         return group
 
     def _run(self, pending: set[str], states: dict[str, RequestState]) -> None:
-        while pending:
+        # Keep stepping after the last output: a step launched ahead (overlap) must be collected
+        # so that its pages come back.
+        while pending or self.core.has_unfinished_requests():
             deltas, stopped = self.processor.process(self.core.step())
             for rid in stopped:
                 self.core.abort_request(rid, reason="stop")

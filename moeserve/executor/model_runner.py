@@ -1,8 +1,9 @@
-"""Runs one engine step on the model: build the ForwardBatch, forward, sample."""
+"""Runs one engine step on the model: build the ForwardBatch, forward (graph or eager), sample."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,48 +13,121 @@ from moeserve.config.engine_config import EngineConfig
 from moeserve.config.model_config import ModelConfig
 from moeserve.core.batch import ForwardBatch, ScheduleBatch, ScheduledRequest
 from moeserve.core.outputs import SampledToken
-from moeserve.core.request import Request, TokenLogprobs
+from moeserve.core.request import Request
+from moeserve.executor.cuda_graph import CudaGraphRunner, batch_size_set
+from moeserve.executor.sampling_io import ban_stop_tokens, sampling_batch, unpack
 from moeserve.layers.attention import use_mha_for_extend
-from moeserve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from moeserve.layers.sampler import SamplerOutput, sample
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
-    """Owns the model weights and the KV storage on one device."""
+@dataclass
+class StepHandle:
+    """A launched step: its sampling rows and the (possibly still copying) sampler output."""
 
-    def __init__(
-        self,
-        model: DeepseekForCausalLM,
-        engine: EngineConfig,
-        num_pages: int,
-        device: torch.device,
-    ) -> None:
+    rows: list[ScheduledRequest]
+    output: SamplerOutput | None
+
+
+class ModelRunner:
+    """Owns the model weights, the KV storage and the decode graphs on one device.
+
+    Lifecycle: construct (weights loaded), `profile_activation_peak` (GPU), `allocate_kv`,
+    `capture_cuda_graphs` (GPU, optional), then `execute` every step.
+    """
+
+    def __init__(self, model: DeepseekForCausalLM, engine: EngineConfig, device: torch.device) -> None:
         self.model = model
         self.config: ModelConfig = model.config
         self.engine = engine
         self.device = device
         self.page_size = engine.page_size
-        dtype = next(model.parameters()).dtype
-        num_layers = self.config.num_hidden_layers + len(model.mtp)
-        self.kv_cache = MLAKVCache(self.config, num_layers, num_pages, self.page_size, dtype, device)
-        logger.info("KV cache: %d pages of %d tokens, %.2f GiB", num_pages, self.page_size, self.kv_cache.nbytes / 2**30)
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = self.config.num_hidden_layers + len(model.mtp)
+        self.kv_cache: MLAKVCache | None = None
+        self.graphs: CudaGraphRunner | None = None
+        self.last_padded_tokens = 0
+        # Two alternating buffers of sampled tokens, read by the following step's inputs.
+        self.future_tokens = torch.zeros(2, engine.max_num_seqs, dtype=torch.int64, device=device)
+
+    def allocate_kv(self, num_pages: int, kv_dtype: torch.dtype, kv_scale: float = 1.0) -> None:
+        """Create the paged latent cache."""
+        self.kv_cache = MLAKVCache(
+            self.config, self.num_layers, num_pages, self.page_size, kv_dtype, self.device, kv_scale
+        )
+
+    @torch.inference_mode()
+    def profile_activation_peak(self, num_tokens: int) -> int:
+        """Peak bytes a prefill step of `num_tokens` allocates beyond the weights (GPU only).
+
+        Runs the heavier prefill form (MHA) on a throwaway one-page cache; every token writes the
+        scratch slot, which is all a memory measurement needs.
+        """
+        saved, self.kv_cache = self.kv_cache, MLAKVCache(
+            self.config, self.num_layers, 1, self.page_size, self.dtype, self.device
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        zeros = np.zeros(num_tokens, dtype=np.int64)
+        fb = ForwardBatch(
+            input_ids=self._to_device(zeros),
+            positions=self._to_device(np.arange(num_tokens)),
+            slot_mapping=self._to_device(zeros),
+            block_table=self._to_device(np.zeros((1, 1), dtype=np.int32)),
+            seq_lens_t=self._int32([num_tokens]),
+            seq_lens=[num_tokens],
+            query_lens=[num_tokens],
+            num_decodes=0,
+            logits_indices=self._to_device(np.asarray([num_tokens - 1])),
+            kv_cache=self.kv_cache,
+            extend_use_mha=True,
+            extend_query_start_loc=self._int32([0, num_tokens]),
+            extend_kv_start_loc=self._int32([0, num_tokens]),
+            max_extend_len=num_tokens,
+            max_extend_seq_len=num_tokens,
+        )
+        self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb)[fb.logits_indices])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_cache = saved
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs for the configured batch sizes."""
+        assert self.kv_cache is not None
+        max_bs = self.engine.cuda_graph_max_bs or min(self.engine.max_num_seqs, 512)
+        sizes = batch_size_set(self.engine.cuda_graph_bs, max_bs)
+        max_pages = -(-max_model_len // self.page_size)
+        self.graphs = CudaGraphRunner(self.model, self.kv_cache, sizes, max_pages, self.device)
+        self.graphs.capture()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """Token ids on the device, placeholders replaced by the tokens the last step sampled."""
+        tokens = self._to_device(ids)
+        if (ids < 0).any():
+            future = self.future_tokens.view(-1)[(-tokens - 1).clamp(min=0)]
+            tokens = torch.where(tokens < 0, future, tokens)
+        return tokens
 
     def _int32(self, values: list[int]) -> torch.Tensor:
         return self._to_device(np.asarray(values, dtype=np.int32))
 
     def prepare(self, items: list[ScheduledRequest]) -> ForwardBatch:
         """Flatten scheduled requests (already ordered decodes first) into forward tensors."""
+        assert self.kv_cache is not None
         ids, positions, slots, seq_lens, query_lens, logits_rows = [], [], [], [], [], []
         max_pages = max(len(it.request.page_table) for it in items)
         block_table = np.zeros((len(items), max_pages), dtype=np.int32)
         num_tokens = 0
         for row, it in enumerate(items):
-            req, start, n = it.request, it.request.num_computed_tokens, it.num_new_tokens
+            req, start, n = it.request, it.start, it.num_new_tokens
             pos = np.arange(start, start + n)
             table = np.asarray(req.page_table, dtype=np.int64)
             ids.append(np.asarray(req.all_token_ids[start : start + n], dtype=np.int64))
@@ -67,7 +141,7 @@ class ModelRunner:
                 logits_rows.append(num_tokens - 1)
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         fb = ForwardBatch(
-            input_ids=self._to_device(np.concatenate(ids)),
+            input_ids=self._input_ids(np.concatenate(ids)),
             positions=self._to_device(np.concatenate(positions)),
             slot_mapping=self._to_device(np.concatenate(slots)),
             block_table=self._to_device(block_table),
@@ -94,69 +168,48 @@ class ModelRunner:
         fb.max_extend_seq_len = max(ext_s)
         fb.extend_has_prefix = any(ext_p)
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        vocab = self.config.vocab_size
-        params = [r.sampling_params for r in reqs]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return SamplingBatch(
-            temperature=tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32),
-            top_k=tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([r.sampling_seed for r in reqs], torch.int64),
-            steps=tensor([len(r.output_token_ids) for r in reqs], torch.int64),
-            all_greedy=all(p.greedy for p in params),
-            needs_sorting=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
-            needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
-            num_logprobs=max(wanted) if wanted else -1,
-        )
-
-    def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Until min_tokens are out, EOS and stop tokens cannot be sampled (as in vLLM)."""
-        for row, r in enumerate(reqs):
-            p = r.sampling_params
-            if len(r.output_token_ids) >= p.min_tokens:
-                continue
-            banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            banned = [t for t in banned if t < logits.shape[-1]]
-            if banned:
-                logits[row, banned] = float("-inf")
-
-    @staticmethod
-    def _unpack(reqs: list[Request], out: SamplerOutput) -> list[SampledToken]:
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        result = []
-        for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
-            info = None
-            n = r.sampling_params.logprobs
-            if n is not None and lps is not None:
-                top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if top_ids else ()
-                info = TokenLogprobs(tok, lps[i], top)
-            result.append(SampledToken(r, tok, info))
-        return result
+    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of the sampling rows, replaying a decode graph when one fits."""
+        all_decode = fb.num_decodes == len(fb.query_lens) == fb.logits_indices.numel()
+        if self.graphs is not None and all_decode and self.graphs.padded_size(fb.num_decodes) is not None:
+            self.last_padded_tokens = self.graphs.padded_size(fb.num_decodes) - fb.num_decodes
+            return self.graphs.replay(fb)
+        self.last_padded_tokens = 0
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden[fb.logits_indices])
 
     @torch.inference_mode()
     def score(self, req: Request) -> torch.Tensor:
         """Logits at every position of `req`'s tokens (its pages must already be allocated)."""
-        fb = self.prepare([ScheduledRequest(req, req.num_tokens)])
+        fb = self.prepare([ScheduledRequest(req, req.num_tokens, start=0)])
         return self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduleBatch) -> list[SampledToken]:
-        """Run one step; return the tokens sampled for requests that reached their end."""
+    def launch(self, batch: ScheduleBatch) -> StepHandle:
+        """Enqueue one step's forward and sampling on the device; return without waiting.
+
+        Sampled tokens also go to the step's future-token buffer, from which the next step's
+        inputs are read, so the next step can be launched before this one is collected.
+        """
         items = sorted(batch.items, key=lambda it: it.num_new_tokens != 1)
         fb = self.prepare(items)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        reqs = [it.request for it in items if it.samples]
-        if not reqs:
+        logits = self._logits(fb)
+        rows = [it for it in items if it.samples]
+        if not rows:
+            return StepHandle(rows, None)
+        ban_stop_tokens(logits, rows)
+        out = sample(logits, sampling_batch(rows, self.config.vocab_size, self.device))
+        index = torch.tensor([it.future_index for it in rows], dtype=torch.int64, device=self.device)
+        self.future_tokens[batch.parity].index_copy_(0, index, out.token_ids)
+        return StepHandle(rows, out.to_host())
+
+    def collect(self, handle: StepHandle) -> list[SampledToken]:
+        """Wait for a launched step; return its sampled tokens."""
+        if handle.output is None:
             return []
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
-        self._ban_stop_tokens(logits, reqs)
-        return self._unpack(reqs, sample(logits, self._sampling_batch(reqs)))
+        handle.output.wait()
+        return unpack(handle.rows, handle.output)
+
+    def execute(self, batch: ScheduleBatch) -> list[SampledToken]:
+        """Launch one step and wait for it."""
+        return self.collect(self.launch(batch))

@@ -38,6 +38,28 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [N] logprob of the sampled token
     top_ids: torch.Tensor | None = None  # [N, k]
     top_logprobs: torch.Tensor | None = None  # [N, k]
+    ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> SamplerOutput:
+        """Start copying every tensor to (pinned) host memory; `wait` before reading them."""
+        if not self.token_ids.is_cuda:
+            return self
+
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        out = SamplerOutput(copy(self.token_ids), copy(self.logprobs), copy(self.top_ids), copy(self.top_logprobs))
+        out.ready = torch.cuda.Event()
+        out.ready.record()
+        return out
+
+    def wait(self) -> None:
+        """Block until the host copies have landed."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""Numerical ops behind one interface: a PyTorch reference everywhere, Triton where it pays.
+"""Numerical ops behind one interface: a PyTorch reference everywhere, Triton on GPU.
 
-Callers use the names exported here; which implementation runs is decided by the inputs
-(device), never by global settings. Shapes and meanings are documented on the reference
-versions in `moeserve/ops/reference/`; a Triton version takes the same arguments.
+Callers use the names exported here; which implementation runs is decided by the inputs (CUDA
+tensors get the Triton kernel), never by global settings. Shapes and meanings are documented on
+the reference versions in `moeserve/ops/reference/`; a Triton version takes the same arguments.
 
 Conventions: token-major packed tensors ([T, ...]); per-sequence metadata as int32 device tensors
 (`seq_lens` [B], `query_start_loc` / `cu_seqlens` [B + 1]) plus Python ints for sizes that shape a
@@ -10,16 +10,47 @@ launch grid (`max_query_len`); one layer's paged KV cache is [pages, page_size, 
 page 0 being scratch; an FP8 cache stores value / kv_scale.
 """
 
-from moeserve.ops.reference.attention import (
-    gather_kv,
-    mla_decode,
-    mla_extend_absorbed,
-    store_kv,
-    varlen_attention,
-)
-from moeserve.ops.reference.moe import fused_moe, select_experts
-from moeserve.ops.reference.norm import fused_add_rms_norm, rms_norm
-from moeserve.ops.reference.rope import mla_rope_norm_store
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from moeserve.ops.reference import activation as _ref_activation
+from moeserve.ops.reference import attention as _ref_attention
+from moeserve.ops.reference import moe as _ref_moe
+from moeserve.ops.reference import norm as _ref_norm
+from moeserve.ops.reference import rope as _ref_rope
+
+
+def _dispatch(name: str, reference: Callable, triton_module: str) -> Callable:
+    """An op that runs `triton_module.name` on CUDA tensors and `reference` elsewhere."""
+    triton_fn: Callable | None = None
+
+    def op(first: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal triton_fn
+        if not first.is_cuda:
+            return reference(first, *args, **kwargs)
+        if triton_fn is None:
+            triton_fn = getattr(importlib.import_module(f"moeserve.ops.triton.{triton_module}"), name)
+        return triton_fn(first, *args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = reference.__doc__
+    return op
+
+
+store_kv = _ref_attention.store_kv  # folded into mla_rope_norm_store on the GPU path
+gather_kv = _dispatch("gather_kv", _ref_attention.gather_kv, "gather_kv")
+mla_decode = _dispatch("mla_decode", _ref_attention.mla_decode, "mla_decode")
+mla_extend_absorbed = _dispatch("mla_extend_absorbed", _ref_attention.mla_extend_absorbed, "mla_extend")
+varlen_attention = _dispatch("varlen_attention", _ref_attention.varlen_attention, "flash_attention")
+fused_moe = _dispatch("fused_moe", _ref_moe.fused_moe, "fused_moe")
+select_experts = _dispatch("select_experts", _ref_moe.select_experts, "routing")
+rms_norm = _dispatch("rms_norm", _ref_norm.rms_norm, "norm")
+fused_add_rms_norm = _dispatch("fused_add_rms_norm", _ref_norm.fused_add_rms_norm, "norm")
+mla_rope_norm_store = _dispatch("mla_rope_norm_store", _ref_rope.mla_rope_norm_store, "rope_store")
+silu_and_mul = _dispatch("silu_and_mul", _ref_activation.silu_and_mul, "activation")
 
 __all__ = [
     "fused_add_rms_norm",
@@ -30,6 +61,7 @@ __all__ = [
     "mla_rope_norm_store",
     "rms_norm",
     "select_experts",
+    "silu_and_mul",
     "store_kv",
     "varlen_attention",
 ]

@@ -5,6 +5,11 @@ token once decoding); then waiting requests are admitted in arrival order while 
 budget, the sequence limit and the KV reservation allow. If a running request cannot get a KV
 page, the youngest running request is retracted: its pages are released (whole computed pages
 stay in the prefix cache) and it goes back to the head of the queue to be recomputed.
+
+Scheduling commits a step at once: computed counts advance and each sampled token is appended
+as a placeholder (a negative id naming a slot of the step's future-token buffer). `update` later
+writes the real tokens in. This lets the engine schedule step N + 1 while step N still runs on
+the GPU (the overlap scheduler): step N + 1 reads step N's tokens on the device.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from moeserve.core.outputs import EngineCoreOutput, SampledToken
 from moeserve.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def placeholder(parity: int, future_index: int, max_rows: int) -> int:
+    """The id standing for a token that step (parity) samples into row `future_index`."""
+    return -1 - (parity * max_rows + future_index)
 
 
 @dataclass
@@ -42,8 +52,11 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Finished requests whose pages wait for a launched step that still uses them.
+        self.releasing: list[Request] = []
         self.new_token_ratio = engine.init_new_token_ratio
         self.stats = SchedulerStats()
+        self._steps = 0
 
     # -- queue management -------------------------------------------------------------------
 
@@ -56,18 +69,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a request wherever it is and give back its KV pages."""
+        """End a request wherever it is; its pages go back once no launched step uses them."""
         if req.is_finished:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        if req.in_flight:
+            req.release_pending = True
+            self.releasing.append(req)
+        else:
+            self.kv.release(req)
 
     def _retract(self, victim: Request) -> None:
+        # Pages may be reused at once even if a launched step still writes them: the next step
+        # runs after it on the same stream, so its writes land first.
         self.running.remove(victim)
         self.kv.release(victim)
         victim.num_computed_tokens = 0
@@ -144,9 +163,24 @@ class Scheduler:
                 self.stats.prefix_queried_tokens += len(req.prompt_token_ids)
                 self.stats.prefix_hit_tokens += cached
 
+    def _commit(self, batch: ScheduleBatch) -> None:
+        """Advance each scheduled request as if the step had run; sampled tokens are placeholders."""
+        rows = 0
+        for item in batch.items:
+            req = item.request
+            req.num_computed_tokens += item.num_new_tokens
+            req.in_flight += 1
+            if req.num_computed_tokens == req.num_tokens:
+                item.output_index = len(req.output_token_ids)
+                item.future_index = rows
+                req.output_token_ids.append(placeholder(batch.parity, rows, self.engine.max_num_seqs))
+                req.num_pending_tokens += 1
+                rows += 1
+
     def schedule(self) -> ScheduleBatch:
-        """Pick this step's work."""
-        batch = ScheduleBatch()
+        """Pick this step's work and commit it."""
+        batch = ScheduleBatch(parity=self._steps % 2)
+        self._steps += 1
         retractions_before = self.stats.num_retractions
         budget = self._schedule_running(batch, self.engine.max_num_batched_tokens)
         if self.stats.num_retractions == retractions_before:
@@ -154,50 +188,65 @@ class Scheduler:
             self.new_token_ratio = max(
                 self.engine.min_new_token_ratio, self.new_token_ratio - self.engine.new_token_ratio_decay
             )
+        self._commit(batch)
         self.stats.last_decode_batch_size = batch.num_decodes
         return batch
 
     # -- results ------------------------------------------------------------------------------
 
-    def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
+    def _stop_reason(self, req: Request, token: int, num_outputs: int) -> tuple[str, int | None] | None:
         p = req.sampling_params
-        if len(req.output_token_ids) >= p.min_tokens:
+        if num_outputs >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return "stop", None
             if token in p.stop_token_ids:
                 return "stop", token
-        if req.remaining_max_tokens == 0:
+        if len(req.prompt_token_ids) + num_outputs >= req.max_total_tokens:
             return "length", None
         return None
 
+    def _resolve(self, item: ScheduledRequest, s: SampledToken) -> EngineCoreOutput | None:
+        """Write a sampled token over its placeholder; finish the request if it stops here."""
+        req = item.request
+        req.output_token_ids[item.output_index] = s.token_id
+        req.num_pending_tokens -= 1
+        if req.is_finished:
+            return None  # aborted or stopped while this step ran: its token is dropped
+        if s.logprobs is not None:
+            req.output_logprobs.append(s.logprobs)
+        self.stats.generation_tokens += 1
+        out = EngineCoreOutput(
+            req.request_id,
+            [s.token_id],
+            [s.logprobs] if s.logprobs is not None else [],
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        stop = self._stop_reason(req, s.token_id, item.output_index + 1)
+        if stop is not None:
+            # A step launched after this one may already have sampled past the stop: drop that.
+            del req.output_token_ids[item.output_index + 1 :]
+            req.num_pending_tokens = 0
+            self.finish(req, *stop)
+            out.finish_reason, out.stop_reason = stop
+        return out
+
     def update(self, batch: ScheduleBatch, sampled: list[SampledToken]) -> list[EngineCoreOutput]:
-        """Advance requests by what the step computed; finish those that stop."""
+        """Take in a collected step: real tokens, stops, prefix sharing, deferred releases."""
         by_request = {id(s.request): s for s in sampled}
         outputs = []
         for item in batch.items:
             req = item.request
-            if req.is_finished:
-                continue
-            req.num_computed_tokens += item.num_new_tokens
-            if item.num_new_tokens > 1:
-                self.kv.cache_prefix(req)
+            req.in_flight -= 1
             s = by_request.get(id(req))
-            if s is None:
-                continue
-            req.output_token_ids.append(s.token_id)
-            if s.logprobs is not None:
-                req.output_logprobs.append(s.logprobs)
-            self.stats.generation_tokens += 1
-            out = EngineCoreOutput(
-                req.request_id,
-                [s.token_id],
-                [s.logprobs] if s.logprobs is not None else [],
-                num_prompt_tokens=len(req.prompt_token_ids),
-                num_cached_tokens=req.num_cached_tokens,
-            )
-            stop = self._stop_reason(req, s.token_id)
-            if stop is not None:
-                self.finish(req, *stop)
-                out.finish_reason, out.stop_reason = stop
-            outputs.append(out)
+            if s is not None and item.output_index < len(req.output_token_ids):
+                out = self._resolve(item, s)
+                if out is not None:
+                    outputs.append(out)
+            if item.num_new_tokens > 1 and not req.is_finished and req.status == RequestStatus.RUNNING:
+                self.kv.cache_prefix(req)
+            if req.release_pending and req.in_flight == 0:
+                req.release_pending = False
+                self.releasing.remove(req)
+                self.kv.release(req)
         return outputs

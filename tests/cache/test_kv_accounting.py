@@ -29,7 +29,8 @@ def check_live_accounting(core: EngineCore) -> None:
     owned = tree_pages(kv.radix) if kv.radix else []
     owned_set = set(owned)
     assert len(owned) == len(owned_set) == kv.cached_pages
-    private = [p for r in core.scheduler.running for p in r.page_table if p not in owned_set]
+    holders = core.scheduler.running + core.scheduler.releasing
+    private = [p for r in holders for p in r.page_table if p not in owned_set]
     assert len(private) == len(set(private)), "a private page is shared by two requests"
     assert kv.pool.num_free + len(owned) + len(private) == kv.num_pages
     for r in core.scheduler.waiting:

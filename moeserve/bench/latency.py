@@ -1,0 +1,105 @@
+"""`moeserve bench latency`: a fixed batch; prefill time, decode step times, and the HBM floor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
+from moeserve.engine.generate_cli import add_engine_args, engine_kwargs
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench latency`."""
+    p = subparsers.add_parser("latency", help="prefill and per-step decode latency of one batch, no HTTP")
+    add_engine_args(p)
+    add_workload_args(p, "--batch-size", 1)
+    p.add_argument("--analyze-floor", action="store_true", help="count bytes a decode step reads vs HBM bandwidth")
+    p.add_argument("--read-gbs", type=float, default=None, help="read bandwidth (GB/s); measured when omitted")
+    p.set_defaults(func=run)
+
+
+def _run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """Submit all prompts, step to completion; return step times split into prefill and decode."""
+    from moeserve import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", p, params)
+    started, first_tokens, decode_ms, generated = time.perf_counter(), set(), [], 0
+    ttft = None
+    while core.has_unfinished_requests():
+        t0 = time.perf_counter()
+        was_decoding = ttft is not None
+        outs = core.step()
+        elapsed = time.perf_counter() - t0
+        generated += sum(len(o.new_token_ids) for o in outs)
+        first_tokens.update(o.request_id for o in outs)
+        if was_decoding:
+            decode_ms.append(elapsed * 1000)
+        elif len(first_tokens) == len(prompts):
+            ttft = time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return {"ttft_s": ttft, "decode_ms": decode_ms, "seconds": seconds, "generated": generated}
+
+
+def _floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
+    """Run one eager decode step with routing counted; bytes it must read over read bandwidth."""
+    from moeserve import SamplingParams
+    from moeserve.bench.roofline import count_touched_experts, decode_step_bytes, read_bandwidth_gbs
+
+    for i, p in enumerate(prompts):
+        core.add_request(f"floor-{i}", p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in core.requests.values()):
+        core.step()  # prefill until every request decodes
+    graphs, core.runner.graphs = core.runner.graphs, None
+    with count_touched_experts(core.runner.model) as touched:
+        core.step()
+    core.runner.graphs = graphs
+    while core.has_unfinished_requests():
+        core.step()
+    kv_tokens = sum(len(p) + 1 for p in prompts)
+    kv = core.runner.kv_cache
+    per_token = core.model_config.kv_cache_dim * core.model_config.num_hidden_layers * kv.buffer.element_size()
+    info = decode_step_bytes(core.runner.model, touched, kv_tokens, per_token)
+    gbs = read_gbs or read_bandwidth_gbs()
+    info.update(read_gbs=round(gbs, 1), floor_ms=round(info["total_bytes"] / gbs / 1e6, 3))
+    info.update(touched_experts_per_layer=touched, mean_touched_experts=round(sum(touched) / max(1, len(touched)), 2))
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    """Warm up, time one batch, optionally compare decode steps with their HBM floor."""
+    from moeserve.config.engine_config import EngineConfig
+    from moeserve.engine.engine import EngineCore
+
+    logging.basicConfig(level=logging.INFO)
+    core = EngineCore(EngineConfig(model=args.model, **engine_kwargs(args)))
+    vocab = core.model_config.vocab_size
+    prompts = random_prompts(args.batch_size, args.input_len, vocab, args.prompt_seed)
+    _run_batch(core, random_prompts(args.batch_size, args.input_len, vocab, args.prompt_seed + 1), 4, "warmup")
+    res = _run_batch(core, prompts, args.output_len, "timed")
+    step_ms = statistics.median(res["decode_ms"]) if res["decode_ms"] else None
+    fields = dict(
+        workload={"batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len},
+        seconds=round(res["seconds"], 4),
+        out_tok_s=round(res["generated"] / res["seconds"], 1),
+        ttft_s=round(res["ttft_s"], 4),
+        median_decode_step_ms=round(step_ms, 3) if step_ms else None,
+        decode_tok_s=round(args.batch_size * 1000 / step_ms, 1) if step_ms else None,
+        engine=core.describe(),
+    )
+    if args.analyze_floor and step_ms:
+        floor = _floor(core, random_prompts(args.batch_size, args.input_len, vocab, args.prompt_seed + 2), args.read_gbs)
+        fields.update(hbm_floor=floor, floor_ratio=round(step_ms / floor["floor_ms"], 3))
+    name = args.name or f"b{args.batch_size}_isl{args.input_len}_osl{args.output_len}"
+    result = record(name, core.device.type, **fields)
+    print(
+        f"{name}: ttft {fields['ttft_s'] * 1000:.1f} ms, median decode step {step_ms or 0:.2f} ms, "
+        f"{fields['out_tok_s']:.1f} output tok/s over {fields['seconds']:.2f} s"
+        + (f", floor {fields['hbm_floor']['floor_ms']:.2f} ms (x{fields['floor_ratio']})" if "hbm_floor" in fields else "")
+    )
+    write_results(args.output_file, [result])
+    return 0

@@ -1,0 +1,87 @@
+"""The HBM floor of a decode step: bytes it must read over the device's measured read bandwidth."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from moeserve.layers.moe import MoE, Router
+from moeserve.models.deepseek import DeepseekForCausalLM
+
+
+def _time_ms(fn, iters: int = 20) -> float:
+    """Median milliseconds of `fn` over `iters` runs, with CUDA events, after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth_gbs(gib: float = 4.0) -> float:
+    """GB/s (1e9) reading a large buffer once (a sum): the decode roofline's denominator."""
+    x = torch.randn(int(gib * 2**30 / 2), dtype=torch.bfloat16, device="cuda")
+    ms = _time_ms(lambda: x.sum(dtype=torch.float32))
+    return x.numel() * 2 / ms / 1e6
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """TFLOP/s of an n^3 bf16 matmul on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = _time_ms(lambda: a @ b, iters=10)
+    return 2 * n**3 / ms / 1e9
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def dense_weight_bytes(model: DeepseekForCausalLM) -> int:
+    """Weights every decode step reads whatever the routing: all but routed experts, the
+    embedding table (a step reads only its rows) and MTP modules (unused in plain decode)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or name == "model.embed_tokens.weight" or ".experts.w" in name:
+            continue
+        total += _nbytes(p)
+    return total
+
+
+def expert_bytes(model: DeepseekForCausalLM) -> int:
+    """Bytes of one routed expert (gate, up and down)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            return (_nbytes(module.experts.w13_weight) + _nbytes(module.experts.w2_weight)) // module.experts.w13_weight.shape[0]
+    return 0
+
+
+@contextmanager
+def count_touched_experts(model: DeepseekForCausalLM) -> Iterator[list[int]]:
+    """Collects, per MoE layer of the next eager forward(s), how many distinct experts were hit."""
+    counts: list[int] = []
+
+    def hook(_module, _inputs, output) -> None:
+        counts.append(int(output[1].unique().numel()))
+
+    handles = [m.register_forward_hook(hook) for m in model.model.modules() if isinstance(m, Router)]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def decode_step_bytes(model: DeepseekForCausalLM, touched: list[int], kv_tokens: int, kv_bytes_per_token: int) -> dict:
+    """Bytes one decode step reads: dense weights, touched experts, and the KV cache."""
+    dense, experts = dense_weight_bytes(model), sum(touched) * expert_bytes(model)
+    kv = kv_tokens * kv_bytes_per_token
+    return {"dense_bytes": dense, "expert_bytes": experts, "kv_bytes": kv, "total_bytes": dense + experts + kv}
