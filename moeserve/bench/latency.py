@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict:
     """Submit all prompts, step to completion; return step times split into prefill and decode."""
     from moeserve import SamplingParams
 
@@ -45,7 +45,7 @@ def _run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dic
     return {"ttft_s": ttft, "decode_ms": decode_ms, "seconds": seconds, "generated": generated}
 
 
-def _floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
+def decode_floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
     """Run one eager decode step with routing counted; bytes it must read over read bandwidth."""
     from moeserve import SamplingParams
     from moeserve.bench.roofline import count_touched_experts, decode_step_bytes, read_bandwidth_gbs
@@ -70,32 +70,40 @@ def _floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
     return info
 
 
+def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, analyze_floor: bool,
+            read_gbs: float | None = None) -> dict:
+    """Warm up, time one batch; optionally compare the decode step with its HBM floor."""
+    vocab = core.model_config.vocab_size
+    run_batch(core, random_prompts(batch_size, input_len, vocab, seed + 1), 4, "warmup")
+    res = run_batch(core, random_prompts(batch_size, input_len, vocab, seed), output_len, "timed")
+    step_ms = statistics.median(res["decode_ms"]) if res["decode_ms"] else None
+    fields = dict(
+        workload={"batch_size": batch_size, "input_len": input_len, "output_len": output_len},
+        seconds=round(res["seconds"], 4),
+        out_tok_s=round(res["generated"] / res["seconds"], 1),
+        ttft_s=round(res["ttft_s"], 4),
+        median_decode_step_ms=round(step_ms, 3) if step_ms else None,
+        decode_tok_s=round(batch_size * 1000 / step_ms, 1) if step_ms else None,
+    )
+    if analyze_floor and step_ms:
+        floor = decode_floor(core, random_prompts(batch_size, input_len, vocab, seed + 2), read_gbs)
+        fields.update(hbm_floor=floor, floor_ratio=round(step_ms / floor["floor_ms"], 3))
+    return fields
+
+
 def run(args: argparse.Namespace) -> int:
-    """Warm up, time one batch, optionally compare decode steps with their HBM floor."""
+    """Build the engine, measure, print, record."""
     from moeserve.config.engine_config import EngineConfig
     from moeserve.engine.engine import EngineCore
 
     logging.basicConfig(level=logging.INFO)
     core = EngineCore(EngineConfig(model=args.model, **engine_kwargs(args)))
-    vocab = core.model_config.vocab_size
-    prompts = random_prompts(args.batch_size, args.input_len, vocab, args.prompt_seed)
-    _run_batch(core, random_prompts(args.batch_size, args.input_len, vocab, args.prompt_seed + 1), 4, "warmup")
-    res = _run_batch(core, prompts, args.output_len, "timed")
-    step_ms = statistics.median(res["decode_ms"]) if res["decode_ms"] else None
-    fields = dict(
-        workload={"batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len},
-        seconds=round(res["seconds"], 4),
-        out_tok_s=round(res["generated"] / res["seconds"], 1),
-        ttft_s=round(res["ttft_s"], 4),
-        median_decode_step_ms=round(step_ms, 3) if step_ms else None,
-        decode_tok_s=round(args.batch_size * 1000 / step_ms, 1) if step_ms else None,
-        engine=core.describe(),
-    )
-    if args.analyze_floor and step_ms:
-        floor = _floor(core, random_prompts(args.batch_size, args.input_len, vocab, args.prompt_seed + 2), args.read_gbs)
-        fields.update(hbm_floor=floor, floor_ratio=round(step_ms / floor["floor_ms"], 3))
+    fields = measure(core, args.batch_size, args.input_len, args.output_len, args.prompt_seed,
+                     args.analyze_floor, args.read_gbs)  # fmt: skip
+    fields["engine"] = core.describe()
     name = args.name or f"b{args.batch_size}_isl{args.input_len}_osl{args.output_len}"
     result = record(name, core.device.type, **fields)
+    step_ms = fields["median_decode_step_ms"]
     print(
         f"{name}: ttft {fields['ttft_s'] * 1000:.1f} ms, median decode step {step_ms or 0:.2f} ms, "
         f"{fields['out_tok_s']:.1f} output tok/s over {fields['seconds']:.2f} s"

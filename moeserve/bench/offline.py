@@ -19,32 +19,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Time one generate call over all prompts, after a short warm-up."""
-    from moeserve import LLM, SamplingParams
+def measure(core, num_prompts: int, input_len: int, output_len: int, seed: int, warmup: int = 4) -> dict:
+    """All prompts submitted at once to an existing engine; wall time around the whole run."""
+    from moeserve import SamplingParams
 
-    logging.basicConfig(level=logging.INFO)
-    llm = LLM(args.model, **engine_kwargs(args))
-    vocab = llm.core.model_config.vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    warm = random_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 1)
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    vocab = core.model_config.vocab_size
+    for i, p in enumerate(random_prompts(warmup, input_len, vocab, seed + 1)):
+        core.add_request(f"warm-{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step()
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    retractions = core.scheduler.stats.num_retractions
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    for i, p in enumerate(random_prompts(num_prompts, input_len, vocab, seed)):
+        core.add_request(f"offline-{i}", p, params)
+    generated = 0
+    while core.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in core.step())
     seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
-    result = record(
-        args.name or f"offline_{args.num_prompts}x_isl{args.input_len}_osl{args.output_len}",
-        llm.core.device.type,
-        workload={"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len},
+    return dict(
+        workload={"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len},
         seconds=round(seconds, 3),
         out_tok_s=round(generated / seconds, 1),
-        total_tok_s=round((generated + args.num_prompts * args.input_len) / seconds, 1),
-        retractions=llm.core.scheduler.stats.num_retractions,
-        engine=llm.core.describe(),
+        total_tok_s=round((generated + num_prompts * input_len) / seconds, 1),
+        retractions=core.scheduler.stats.num_retractions - retractions,
     )
-    print(f"{result['name']}: {generated} tokens in {seconds:.2f} s: {result['out_tok_s']:.1f} output tok/s, "
-          f"{result['total_tok_s']:.1f} total tok/s")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine, measure, print, record."""
+    from moeserve.config.engine_config import EngineConfig
+    from moeserve.engine.engine import EngineCore
+
+    logging.basicConfig(level=logging.INFO)
+    core = EngineCore(EngineConfig(model=args.model, **engine_kwargs(args)))
+    fields = measure(core, args.num_prompts, args.input_len, args.output_len, args.prompt_seed, args.warmup_prompts)
+    fields["engine"] = core.describe()
+    name = args.name or f"offline_{args.num_prompts}x_isl{args.input_len}_osl{args.output_len}"
+    result = record(name, core.device.type, **fields)
+    print(f"{name}: {fields['out_tok_s']:.1f} output tok/s, {fields['total_tok_s']:.1f} total tok/s "
+          f"in {fields['seconds']:.2f} s")  # fmt: skip
     write_results(args.output_file, [result])
     return 0

@@ -1,0 +1,105 @@
+"""The issue-4 benchmark suite on one GPU, in one process per engine configuration.
+
+    python benchmarks/gpu_suite.py --model DIR --output FILE [--parts latency,offline,graph_sets]
+
+Workloads are those of ../shared/targets (same names): ttft_b1_isl1024, b{1,8,64,256}_isl1024_osl256,
+offline_1024x_isl1024_osl512; plus the x2 / +64 / +8 CUDA-graph set comparison at several
+concurrencies. Each engine is built once and runs several workloads, so weights load once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeserve.bench import latency, offline  # noqa: E402
+from moeserve.bench.common import record  # noqa: E402
+from moeserve.bench.roofline import read_bandwidth_gbs  # noqa: E402
+from moeserve.config.engine_config import EngineConfig  # noqa: E402
+from moeserve.engine.engine import EngineCore  # noqa: E402
+
+LATENCY = [("b1_isl1024_osl256", 1), ("b8_isl1024_osl256", 8), ("b64_isl1024_osl256", 64), ("b256_isl1024_osl256", 256)]
+
+
+def engine(model: str, **kw) -> EngineCore:
+    base = dict(model=model, max_model_len=4096, mem_fraction_static=0.9, max_num_seqs=1024, cuda_graph_max_bs=1024)
+    return EngineCore(EngineConfig(**{**base, **kw}))
+
+
+def free(core: EngineCore) -> None:
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def latency_part(model: str, read_gbs: float, out: list, kw: dict) -> None:
+    core = engine(model, **kw)
+    desc = core.describe()
+    ttft = latency.measure(core, 1, 1024, 1, 0, False)
+    out.append(record("ttft_b1_isl1024", "cuda", **ttft, engine=desc))
+    for name, bs in LATENCY:
+        fields = latency.measure(core, bs, 1024, 256, 0, True, read_gbs)
+        out.append(record(name, "cuda", **fields, engine=desc))
+        print(name, {k: fields[k] for k in ("out_tok_s", "ttft_s", "median_decode_step_ms", "floor_ratio") if k in fields}, flush=True)
+    free(core)
+
+
+def offline_part(model: str, out: list, kw: dict) -> None:
+    core = engine(model, **kw)
+    fields = offline.measure(core, 1024, 1024, 512, 0)
+    out.append(record("offline_1024x_isl1024_osl512", "cuda", **fields, engine=core.describe()))
+    print("offline_1024x_isl1024_osl512", fields, flush=True)
+    free(core)
+
+
+def graph_sets_part(model: str, out: list, kw: dict, concurrencies: list[int]) -> None:
+    for preset in ("x2", "+64", "+8"):
+        start = time.perf_counter()
+        core = engine(model, cuda_graph_bs=preset, **kw)
+        startup = time.perf_counter() - start
+        desc = core.describe()
+        for conc in concurrencies:
+            fields = offline.measure(core, conc, 1024, 256, 7)
+            row = dict(set=preset, concurrency=conc, graphs=desc["cuda_graphs"], graph_mib=desc["cuda_graph_mib"],
+                       kv_tokens=desc["kv_tokens"], startup_s=round(startup, 1), **fields)
+            out.append(record(f"graph_set_{preset}_c{conc}_isl1024_osl256", "cuda", **row))
+            print("graph set", preset, conc, fields["out_tok_s"], desc["cuda_graphs"], desc["cuda_graph_mib"], flush=True)
+        free(core)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--parts", default="latency,offline,graph_sets")
+    ap.add_argument("--concurrencies", default="160,384,800")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    read_gbs = read_bandwidth_gbs()
+    print(f"device {torch.cuda.get_device_name()}, read bandwidth {read_gbs:.0f} GB/s", flush=True)
+    out: list = []
+    kw = dict(kv_cache_dtype=a.kv_cache_dtype)
+    parts = a.parts.split(",")
+    try:
+        if "latency" in parts:
+            latency_part(a.model, read_gbs, out, kw)
+        if "offline" in parts:
+            offline_part(a.model, out, kw)
+        if "graph_sets" in parts:
+            graph_sets_part(a.model, out, kw, [int(c) for c in a.concurrencies.split(",")])
+    finally:
+        Path(a.output).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
