@@ -1,0 +1,295 @@
+"""Fused MoE on the GPU: gate/up GEMM with SiLU-and-mul, down GEMM with routing weights, top-k sum.
+
+Two ways to group tokens (chosen per call by `moe_config`):
+- sorted: `moe_align` sorts (token, slot) pairs by expert into BLOCK_M-row blocks, and each
+  program multiplies one block by a tile of its expert's weights, so every touched expert's
+  weights stream from HBM once per block of its tokens;
+- dense (seed 001, "experts as GEMM"): for a handful of tokens, one program per (token, slot)
+  whose expert has not appeared earlier multiplies *all* tokens by that expert's tile and keeps
+  the rows routed to it. No sort, so three launches in all, and each expert is still read once.
+Tiles are multiplied three ways (`MODE`): `dot` (tl.dot, tokens on the MMA's M side), `swap`
+(seed 002's swapAB: weight rows on M, tokens on N, for 16-32 tokens an expert) and `gemv` (no
+tl.dot; multiply-reduce one row at a time, for 1-8 rows, where an MMA tile would be mostly padding).
+The per-(token, slot) results are summed over top-k by a small kernel rather than atomics:
+deterministic, and no zero-fill or fp32 scratch the size of the output.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.triton.moe_align import moe_align
+from moeserve.ops.triton.moe_config import Config, get_config, validate_config
+
+_MODE_IDS = {"gemv": 0, "swap": 1, "dot": 2}
+
+
+@triton.jit
+def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(m block, n tile) of a program; GROUP_M m blocks share each n tile while resident (L2 reuse)."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                TOPK: tl.constexpr, K_PAD: tl.constexpr, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert or -1 to skip, flat (token * k + slot) index per row, row mask) of one m block."""
+    if DENSE:
+        # pid_m is a flat (token, slot) index; only an expert's first occurrence does the work.
+        t = tl.arange(0, BLOCK_M)
+        s = tl.arange(0, K_PAD)
+        flat_2d = t[:, None] * TOPK + s[None, :]
+        ids = tl.load(ids_ptr + flat_2d, mask=(t[:, None] < num_tokens) & (s[None, :] < TOPK), other=-1)
+        expert = tl.load(ids_ptr + pid_m)
+        hit = ids == expert
+        earlier = tl.sum((hit & (flat_2d < pid_m)).to(tl.int32), axis=1)
+        rows_hit = tl.sum(hit.to(tl.int32), axis=1)
+        flat = t * TOPK + tl.sum(tl.where(hit, s[None, :], 0), axis=1)
+        expert = tl.where(tl.sum(earlier, axis=0) == 0, expert, -1)
+        return expert.to(tl.int64), flat.to(tl.int64), rows_hit > 0
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+        flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        return expert.to(tl.int64), flat.to(tl.int64), flat < num_tokens * TOPK
+
+
+@triton.jit
+def _tile_matmul(x_ptr, x_rows, x_mask, w_ptr, w_rows, w_mask,
+                 K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = X[x_rows, :K] @ W[w_rows, :K]^T, rows given as element offsets."""
+    offs_k = tl.arange(0, BLOCK_K)
+    m_idx = tl.arange(0, BLOCK_M)
+    if MODE == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is constexpr: the interpreter cannot range over a runtime int
+        k_ok = (k0 + offs_k) < K
+        if MODE == 1:
+            w = tl.load(w_ptr + w_rows[:, None] + (k0 + offs_k)[None, :], mask=w_mask[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptr + x_rows[None, :] + (k0 + offs_k)[:, None], mask=x_mask[None, :] & k_ok[:, None], other=0.0)
+            if PRECISION == "ieee":  # fp32, or the interpreter, whose tl.dot misreads bf16
+                w, xt = w.to(tl.float32), xt.to(tl.float32)
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        elif MODE == 2:
+            x = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=x_mask[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptr + w_rows[None, :] + (k0 + offs_k)[:, None], mask=w_mask[None, :] & k_ok[:, None], other=0.0)
+            if PRECISION == "ieee":
+                x, wt = x.to(tl.float32), wt.to(tl.float32)
+            acc = tl.dot(x, wt, acc, input_precision=PRECISION)
+        else:
+            w = tl.load(w_ptr + w_rows[:, None] + (k0 + offs_k)[None, :], mask=w_mask[:, None] & k_ok[None, :], other=0.0)
+            w = w.to(tl.float32)
+            # One row at a time: a [BLOCK_M, BLOCK_N, BLOCK_K] product would spill registers.
+            for m in tl.static_range(BLOCK_M):
+                row = tl.sum(tl.where(m_idx == m, x_rows, 0), axis=0)
+                ok = tl.sum(tl.where(m_idx == m, x_mask.to(tl.int32), 0), axis=0) > 0
+                xm = tl.load(x_ptr + row + k0 + offs_k, mask=ok & k_ok, other=0.0).to(tl.float32)
+                part = tl.sum(w * xm[None, :], axis=1)
+                acc = tl.where(m_idx[:, None] == m, acc + part[None, :], acc)
+    if MODE == 1:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_m"])
+def _moe_up_kernel(
+    x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_m,
+    stride_xt, stride_we, stride_wn, stride_at,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+    DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """act[pair, n] = silu(x @ gate_n) * (x @ up_n) for one block of pairs and BLOCK_N columns."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+    expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                                       TOPK, K_PAD, DENSE, BLOCK_M)
+    if expert < 0:
+        return
+    # Gate and up rows interleaved so one MMA of 2 * BLOCK_N rows computes both; split after.
+    r = tl.arange(0, 2 * BLOCK_N)
+    n = pid_n * BLOCK_N + r // 2
+    w_rows = ((r % 2) * INTER + n).to(tl.int64) * stride_wn
+    acc = _tile_matmul(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr + expert * stride_we, w_rows,
+                       n < INTER, HIDDEN, MODE, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    act = gate * tl.sigmoid(gate) * up
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = act_ptr + flat[:, None] * stride_at + cols[None, :]
+    tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < INTER))
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_m"])
+def _moe_down_kernel(
+    act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_m,
+    stride_at, stride_we, stride_wn, stride_ot,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+    DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[pair, n] = weight[pair] * (act[pair] @ down_n) for one block of pairs and BLOCK_N columns."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
+    expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                                       TOPK, K_PAD, DENSE, BLOCK_M)
+    if expert < 0:
+        return
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_matmul(act_ptr, flat * stride_at, row_ok, w_ptr + expert * stride_we, n.to(tl.int64) * stride_wn,
+                       n < HIDDEN, INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    acc *= tl.load(weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
+    ptrs = out_ptr + flat[:, None] * stride_ot + n[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (n[None, :] < HIDDEN))
+
+
+@triton.jit
+def _topk_sum_kernel(src_ptr, dst_ptr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """dst[t] = sum over slots of src[t * k + slot], in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slots = tl.arange(0, K_PAD)
+    mask = (slots[:, None] < TOPK) & (cols[None, :] < HIDDEN)
+    vals = tl.load(src_ptr + (t * TOPK + slots[:, None]) * HIDDEN + cols[None, :], mask=mask, other=0.0)
+    tl.store(dst_ptr + t * HIDDEN + cols, tl.sum(vals.to(tl.float32), axis=0).to(dst_ptr.dtype.element_ty),
+             mask=cols < HIDDEN)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """How one call's (token, slot) pairs are grouped into m blocks for the two GEMMs."""
+
+    config: Config
+    ids: torch.Tensor  # [T * k] expert per pair
+    weights: torch.Tensor  # [T * k] fp32 routing weight per pair
+    sorted_ids: torch.Tensor  # sorted path: flat pair index per block row; dense: unused
+    block_expert: torch.Tensor  # sorted path: expert per m block; dense: unused
+    num_tokens: int
+    topk: int
+    num_m: int  # m blocks in the launch grid (shape-only, so graph-safe)
+
+
+def plan_route(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, config: Config) -> RoutePlan:
+    """Group pairs as `config` says: sorted by expert (moe_align) or the dense small-batch layout."""
+    tokens, topk = topk_ids.shape
+    problem = validate_config(config, tokens)
+    if problem:
+        raise ValueError(f"fused_moe config unusable for {tokens} tokens: {problem}")
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous().float()
+    if config["DENSE"]:
+        return RoutePlan(config, ids, weights, ids, ids, tokens, topk, tokens * topk)
+    sorted_ids, block_expert, _ = moe_align(ids, num_experts, config["BLOCK_M"])
+    return RoutePlan(config, ids, weights, sorted_ids, block_expert, tokens, topk, block_expert.numel())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor) -> dict:
+    gemm = plan.config[part]
+    return {
+        "TOPK": plan.topk, "K_PAD": triton.next_power_of_2(plan.topk), "DENSE": plan.config["DENSE"],
+        "MODE": _MODE_IDS[plan.config["MODE"]], "BLOCK_M": plan.config["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"],
+        "BLOCK_K": gemm["BLOCK_K"], "GROUP_M": 1 if plan.config["DENSE"] else gemm["GROUP_M"],
+        "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None,
+        "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"],
+    }
+
+
+def _launch(kernel, grid: tuple[int], compile_only: bool, *args, **kwargs) -> None:
+    """Run `kernel`, or only compile it (the tuner compiles candidates in parallel first)."""
+    if compile_only:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_only: bool = False) -> torch.Tensor:
+    """[T * k, I] silu(gate) * up for every (token, slot) pair."""
+    inter = w13.shape[1] // 2
+    act = torch.empty(plan.num_tokens * plan.topk, inter, dtype=hidden.dtype, device=hidden.device)
+    args = _launch_args(plan, "up", hidden)
+    grid = (plan.num_m * triton.cdiv(inter, args["BLOCK_N"]),)
+    _launch(
+        _moe_up_kernel, grid, compile_only,
+        hidden, w13, act, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), INTER=inter, HIDDEN=hidden.shape[1], **args,
+    )
+    return act
+
+
+def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only: bool = False) -> torch.Tensor:
+    """[T * k, H] routing weight * down(act) for every (token, slot) pair."""
+    hidden_size = w2.shape[1]
+    out = torch.empty(act.shape[0], hidden_size, dtype=act.dtype, device=act.device)
+    args = _launch_args(plan, "down", act)
+    grid = (plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"]),)
+    _launch(
+        _moe_down_kernel, grid, compile_only,
+        act, w2, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), INTER=act.shape[1], HIDDEN=hidden_size, **args,
+    )
+    return out
+
+
+def moe_topk_sum(out: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, H] sum over each token's k slots of `out` [T * k, H]."""
+    if topk == 1:
+        return out
+    tokens, hidden_size = out.shape[0] // topk, out.shape[1]
+    dst = torch.empty(tokens, hidden_size, dtype=out.dtype, device=out.device)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    grid = (tokens, triton.cdiv(hidden_size, block_h))
+    _topk_sum_kernel[grid](out, dst, HIDDEN=hidden_size, TOPK=topk, K_PAD=triton.next_power_of_2(topk),
+                           BLOCK_H=block_h, num_warps=4)
+    return dst
+
+
+def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> None:
+    """Shape and layout checks (host-side metadata only, so capture-safe)."""
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError("fused_moe wants hidden [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
+    experts, two_inter, hidden_size = w13.shape
+    if hidden.shape[1] != hidden_size or w2.shape != (experts, hidden_size, two_inter // 2) or two_inter % 2:
+        raise ValueError(f"fused_moe shapes disagree: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError("fused_moe wants topk_weights and topk_ids both [T, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1 or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError("fused_moe wants expert weights in hidden's dtype with contiguous rows")
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Weighted sum over each token's experts of down(silu(gate(x)) * up(x)); see the reference.
+
+    A token's k expert ids must be distinct (top-k routing guarantees it; the dense path relies on
+    it). `config` overrides the tuned or default block sizes (the tuner uses it).
+    """
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    if hidden.shape[0] == 0:
+        return hidden.new_empty(hidden.shape)
+    hidden = hidden.contiguous()
+    config = config or get_config(hidden, w13, topk_ids.shape[1])
+    plan = plan_route(topk_weights, topk_ids, w13.shape[0], config)
+    act = moe_up(hidden, w13, plan)
+    return moe_topk_sum(moe_down(act, w2, plan), plan.topk)

@@ -1,0 +1,137 @@
+"""Sort (token, slot) pairs by expert, each expert's run padded to a multiple of the GEMM's BLOCK_M.
+
+The result drives the grouped GEMMs: block b of `sorted_ids` holds only pairs routed to
+`block_expert[b]` (flat indices token * k + slot; padding holds T * k). It is built on the GPU
+in three small kernels with no host synchronisation, and every buffer is sized for the worst
+case of its shape, so it can be captured in a CUDA graph. The order inside an expert's run is
+token order (a stable counting sort), so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Chunks of pairs counted in parallel; the offsets kernel loads all their histograms at once.
+MAX_CHUNKS = 64
+_FILL = 1024
+
+
+@triton.jit(do_not_specialize=["numel", "padded_len", "fill_per_program"])
+def _count_kernel(
+    ids_ptr, counts_ptr, sorted_ptr, numel, padded_len, fill_per_program, chunk,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, FILL: tl.constexpr,
+):
+    """Per-chunk expert histogram; also fills this program's share of `sorted` with padding."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    start = 0
+    while start < chunk:  # while, not range: Triton's interpreter cannot range over a runtime int
+        offs = pid * chunk + start + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+        ids = tl.where(ids < NUM_EXPERTS, ids, -1)
+        counts += tl.sum((ids[:, None] == cols[None, :]).to(tl.int32), axis=0)
+        start += SUB
+    tl.store(counts_ptr + pid * E_PAD + cols, counts)
+    start = 0
+    while start < fill_per_program:
+        offs = pid * fill_per_program + start + tl.arange(0, FILL)
+        keep = (offs < (pid + 1) * fill_per_program) & (offs < padded_len)
+        tl.store(sorted_ptr + offs, tl.full([FILL], 0, tl.int32) + numel, mask=keep)
+        start += FILL
+
+
+@triton.jit(do_not_specialize=["num_chunks", "max_blocks"])
+def _offsets_kernel(
+    counts_ptr, block_expert_ptr, num_padded_ptr, num_chunks, max_blocks,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, C_PAD: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """Turn chunk histograms into each chunk's write offset per expert, and label every block."""
+    rows = tl.arange(0, C_PAD)
+    cols = tl.arange(0, E_PAD)
+    ptrs = counts_ptr + rows[:, None] * E_PAD + cols[None, :]
+    valid = rows[:, None] < num_chunks
+    counts = tl.load(ptrs, mask=valid, other=0)
+    totals = tl.sum(counts, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(ptrs, starts[None, :] + tl.cumsum(counts, axis=0) - counts, mask=valid)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    # Block b belongs to the first expert whose padded run ends after it (empty runs never do).
+    block_ends = ends // BLOCK_M
+    num_blocks = total // BLOCK_M
+    start = 0
+    while start < max_blocks:
+        b = start + tl.arange(0, BLOCKS)
+        expert = tl.sum((block_ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(b < num_blocks, expert, -1)
+        tl.store(block_expert_ptr + b, expert, mask=b < max_blocks)
+        start += BLOCKS
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _scatter_kernel(
+    ids_ptr, offsets_ptr, sorted_ptr, numel, chunk,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,
+):
+    """Write each pair's flat index at its expert's next free slot, in token order."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, E_PAD)
+    cursor = tl.load(offsets_ptr + pid * E_PAD + cols)
+    start = 0
+    while start < chunk:  # while, not range: Triton's interpreter cannot range over a runtime int
+        offs = pid * chunk + start + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+        ids = tl.where(ids < NUM_EXPERTS, ids, -1)
+        hit = (ids[:, None] == cols[None, :]).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - 1 + cursor[None, :]
+        pos = tl.sum(tl.where(hit > 0, rank, 0), axis=1)
+        tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=offs < numel)
+        cursor += tl.sum(hit, axis=0)
+        start += SUB
+
+
+def padded_capacity(numel: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length of the padded sorted buffer: at most min(numel, E) experts get padding."""
+    capacity = numel + min(numel, num_experts) * (block_m - 1)
+    return triton.cdiv(capacity, block_m) * block_m
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (sorted_ids int32 [capacity], block_expert int32 [capacity / BLOCK_M], num_padded int32 [1]).
+
+    Unused blocks have expert -1. Ids must lie in [0, num_experts); others are dropped.
+    """
+    numel = topk_ids.numel()
+    ids = topk_ids.reshape(-1)
+    e_pad = triton.next_power_of_2(num_experts)
+    sub = max(16, min(128, 4096 // e_pad))
+    chunk = triton.cdiv(triton.cdiv(max(numel, 1), MAX_CHUNKS), sub) * sub
+    num_chunks = triton.cdiv(max(numel, 1), chunk)
+    capacity = padded_capacity(numel, num_experts, block_m)
+    max_blocks = capacity // block_m
+    device = topk_ids.device
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
+    fill = triton.cdiv(capacity, num_chunks)
+    warps = 4 if e_pad <= 64 else 8
+    _count_kernel[(num_chunks,)](
+        ids, offsets, sorted_ids, numel, capacity, fill, chunk,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, FILL=_FILL, num_warps=warps,
+    )
+    _offsets_kernel[(1,)](
+        offsets, block_expert, num_padded, num_chunks, max_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, C_PAD=MAX_CHUNKS, BLOCKS=max(16, 4096 // e_pad), num_warps=warps,
+    )
+    _scatter_kernel[(num_chunks,)](
+        ids, offsets, sorted_ids, numel, chunk, NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, num_warps=warps
+    )
+    return sorted_ids, block_expert, num_padded

@@ -1,0 +1,150 @@
+"""Block-size configs for the fused MoE kernels: tuned JSON files per shape and GPU, else defaults.
+
+A config covers one call: how tokens are grouped (`DENSE`, `MODE`, `BLOCK_M`) and the tile shape
+of each of the two GEMMs (`up`: gate/up with SiLU-and-mul, `down`). Files are written by
+`python -m moeserve.ops.triton.tune_moe` and map a token count (the bucket) to a config; a call
+uses the bucket nearest its token count.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+# Extra directory searched first, for configs tuned on a machine without rebuilding the package.
+CONFIG_DIR_ENV = "MOESERVE_MOE_CONFIG_DIR"
+
+MODES = ("gemv", "swap", "dot")
+# The dense path computes every token against each hit expert; past this it wastes too much.
+DENSE_MAX_TOKENS = 16
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+Config = dict[str, Any]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device) -> str:
+    """A file-name-safe GPU name ("NVIDIA_H200"); "cpu" for the interpreter."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+
+
+def config_file_name(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype) -> str:
+    """The JSON file holding the tuned configs of one (shape, GPU, dtype)."""
+    return f"E={experts},I={inter},H={hidden},device={device},dtype={_dtype_name(dtype)}.json"
+
+
+def _gemm(block_n: int, block_k: int, warps: int = 4, stages: int = 3, group_m: int = 1) -> dict:
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}
+
+
+def default_config(tokens: int, experts: int, topk: int, dtype: torch.dtype = torch.bfloat16) -> Config:
+    """A reasonable config for `tokens` when no tuned file exists, picked by tokens per expert."""
+    config = _default_for_load(tokens, experts, topk)
+    if dtype == torch.float32:
+        # fp32 tiles take twice the shared memory per stage.
+        for part in ("up", "down"):
+            config[part]["num_stages"] = min(config[part]["num_stages"], 2)
+    return config
+
+
+def _default_for_load(tokens: int, experts: int, topk: int) -> Config:
+    per_expert = tokens * topk / experts
+    if tokens <= 2:
+        # Seed 001: so few tokens that sorting costs more than computing masked rows; one or two
+        # rows waste nothing in a GEMV, where an MMA tile would be 7/8 padding.
+        return {"DENSE": True, "MODE": "gemv", "BLOCK_M": _next_pow2(tokens), "up": _gemm(16, 256, 4, 1),
+                "down": _gemm(32, 128, 4, 1)}
+    if tokens <= DENSE_MAX_TOKENS:
+        return {"DENSE": True, "MODE": "swap", "BLOCK_M": 16, "up": _gemm(32, 128, 4, 4), "down": _gemm(64, 128, 4, 4)}
+    if per_expert <= 8:
+        # Seed 002's swapAB: weight rows fill the MMA's M side, the few tokens its N side.
+        return {"DENSE": False, "MODE": "swap", "BLOCK_M": 16, "up": _gemm(32, 128, 4, 4), "down": _gemm(64, 128, 4, 4)}
+    if per_expert <= 32:
+        return {"DENSE": False, "MODE": "swap", "BLOCK_M": 32, "up": _gemm(64, 64, 4, 4), "down": _gemm(128, 64, 4, 4)}
+    if per_expert <= 128:
+        return {"DENSE": False, "MODE": "dot", "BLOCK_M": 64, "up": _gemm(64, 64, 4, 3, 8), "down": _gemm(128, 64, 4, 3, 8)}
+    return {"DENSE": False, "MODE": "dot", "BLOCK_M": 128, "up": _gemm(64, 64, 8, 3, 8), "down": _gemm(128, 64, 8, 3, 8)}
+
+
+def validate_config(config: Config, tokens: int) -> str | None:
+    """Why `config` cannot run `tokens` tokens, or None when it can."""
+    for key in ("DENSE", "MODE", "BLOCK_M", "up", "down"):
+        if key not in config:
+            return f"missing key {key!r}"
+    if config["MODE"] not in MODES:
+        return f"MODE must be one of {MODES}, got {config['MODE']!r}"
+    bm = config["BLOCK_M"]
+    if bm < 1 or bm & (bm - 1):
+        return f"BLOCK_M must be a power of two, got {bm}"
+    if config["MODE"] != "gemv" and bm < 16:
+        return "tl.dot needs BLOCK_M >= 16"
+    if config["DENSE"] and tokens > bm:
+        return f"the dense path needs tokens <= BLOCK_M ({tokens} > {bm})"
+    for part in ("up", "down"):
+        gemm = config[part]
+        if any(k not in gemm for k in GEMM_KEYS):
+            return f"{part} needs keys {GEMM_KEYS}"
+        if config["MODE"] != "gemv" and min(gemm["BLOCK_N"], gemm["BLOCK_K"]) < 16:
+            return "tl.dot needs BLOCK_N and BLOCK_K >= 16"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def load_configs(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype) -> dict[int, Config] | None:
+    """{bucket token count: config} from the first matching JSON file, or None."""
+    name = config_file_name(experts, inter, hidden, device, dtype)
+    dirs = [Path(os.environ[CONFIG_DIR_ENV])] if os.environ.get(CONFIG_DIR_ENV) else []
+    for folder in [*dirs, CONFIG_DIR]:
+        path = folder / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            logger.info("fused MoE configs from %s", path)
+            return {int(k): v for k, v in raw.items() if not k.startswith("_")}
+    return None
+
+
+def pick_config(
+    configs: dict[int, Config] | None, tokens: int, experts: int, topk: int, dtype: torch.dtype = torch.bfloat16
+) -> Config:
+    """The config of the bucket nearest `tokens` that can run it; the default if none can."""
+    for bucket in sorted(configs or {}, key=lambda b: (abs(b - tokens), b)):
+        problem = validate_config(configs[bucket], tokens)
+        if problem is None:
+            return configs[bucket]
+        logger.debug("tuned config for %d tokens unusable at %d (%s)", bucket, tokens, problem)
+    return default_config(tokens, experts, topk, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_config(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype, tokens: int, topk: int) -> Config:
+    return pick_config(load_configs(experts, inter, hidden, device, dtype), tokens, experts, topk, dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name_cached(device: torch.device) -> str:
+    return device_name(device)
+
+
+def get_config(hidden: torch.Tensor, w13: torch.Tensor, topk: int) -> Config:
+    """The config for one fused MoE call, from its inputs' shapes, dtype and device."""
+    experts, two_inter, hidden_size = w13.shape
+    device = _device_name_cached(hidden.device)
+    return _cached_config(experts, two_inter // 2, hidden_size, device, hidden.dtype, hidden.shape[0], topk)
