@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeserve.bench import latency, offline
+from moeserve.bench import latency, offline, serve
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -16,4 +16,4 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 # Each benchmark module exposes add_parser(subparsers); imports stay light (heavy ones lazily inside).
-_MODULES: list = [latency, offline]
+_MODULES: list = [latency, offline, serve]
