@@ -13,9 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
     # Registration imports stay light: each command imports its heavy modules when it runs.
     from moeserve.bench.cli import add_bench_parser
     from moeserve.engine.generate_cli import add_generate_parser
+    from moeserve.eval.cli import add_eval_parser
     from moeserve.planner.cli import add_plan_parser
+    from moeserve.server.cli import add_serve_parser
 
     add_generate_parser(sub)
+    add_eval_parser(sub)
+    add_serve_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
     return parser

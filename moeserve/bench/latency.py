@@ -8,7 +8,7 @@ import statistics
 import time
 
 from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
-from moeserve.engine.generate_cli import add_engine_args, engine_kwargs
+from moeserve.engine.generate_cli import add_engine_args, engine_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -93,11 +93,10 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
 
 def run(args: argparse.Namespace) -> int:
     """Build the engine, measure, print, record."""
-    from moeserve.config.engine_config import EngineConfig
     from moeserve.engine.engine import EngineCore
 
     logging.basicConfig(level=logging.INFO)
-    core = EngineCore(EngineConfig(model=args.model, **engine_kwargs(args)))
+    core = EngineCore(engine_config(args))
     fields = measure(core, args.batch_size, args.input_len, args.output_len, args.prompt_seed,
                      args.analyze_floor, args.read_gbs)  # fmt: skip
     fields["engine"] = core.describe()

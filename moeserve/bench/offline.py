@@ -7,7 +7,7 @@ import logging
 import time
 
 from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
-from moeserve.engine.generate_cli import add_engine_args, engine_kwargs
+from moeserve.engine.generate_cli import add_engine_args, engine_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,11 +48,10 @@ def measure(core, num_prompts: int, input_len: int, output_len: int, seed: int, 
 
 def run(args: argparse.Namespace) -> int:
     """Build the engine, measure, print, record."""
-    from moeserve.config.engine_config import EngineConfig
     from moeserve.engine.engine import EngineCore
 
     logging.basicConfig(level=logging.INFO)
-    core = EngineCore(EngineConfig(model=args.model, **engine_kwargs(args)))
+    core = EngineCore(engine_config(args))
     fields = measure(core, args.num_prompts, args.input_len, args.output_len, args.prompt_seed, args.warmup_prompts)
     fields["engine"] = core.describe()
     name = args.name or f"offline_{args.num_prompts}x_isl{args.input_len}_osl{args.output_len}"

@@ -8,7 +8,12 @@ import logging
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
-    parser.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
+    parser.add_argument(
+        "--model",
+        required=False,
+        default=None,
+        help="checkpoint folder (config.json + safetensors); default: the shipped demo model",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -27,6 +32,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--mha-threshold", type=int, default=16384, help="prefill uses MHA once sum(e*(e+p)) reaches it")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The --model folder, or the shipped demo model when none was given."""
+    from moeserve.assets import default_model_path
+
+    return args.model or default_model_path()
+
+
+def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily)
+    """The EngineConfig the engine flags describe, the demo model standing in for a missing --model."""
+    from moeserve.config.engine_config import EngineConfig
+
+    return EngineConfig(model=model_path(args), **engine_kwargs(args))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -86,7 +105,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(model_path(args), **engine_kwargs(args))
     out = llm.generate([args.prompt], params)[0]
     print(out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids)))
     return 0

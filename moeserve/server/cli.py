@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from moeserve.engine.generate_cli import add_engine_args, engine_kwargs
+from moeserve.engine.generate_cli import add_engine_args, engine_config
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +30,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the configs and run the server until it is stopped."""
-    from moeserve.config.engine_config import EngineConfig
     from moeserve.server.config import ServerConfig
 
     try:
@@ -39,10 +38,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"moeserve serve: error: {e.name or e} is missing: pip install 'moeserve[server]'", file=sys.stderr)
         return 1
     config = ServerConfig(
-        engine=EngineConfig(model=args.model, **engine_kwargs(args)),
+        engine=engine_config(args),
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or (None if args.model else "moeserve-demo"),
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,

@@ -63,10 +63,11 @@ def engine_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start_server(model: Path, log_path: Path, *args: str, ready: bool = True, timeout: float = 120) -> ServerProcess:
+def start_server(model: Path | None, log_path: Path, *args: str, ready: bool = True, timeout: float = 120) -> ServerProcess:
     """Start `moeserve serve` on a free port; wait until it listens (and, with `ready`, is healthy)."""
     cmd = [
-        sys.executable, "-m", "moeserve", "serve", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+        sys.executable, "-m", "moeserve", "serve", *(["--model", str(model)] if model else []),
+        "--device", "cpu", "--dtype", "float32",
         "--port", "0", "--max-num-seqs", "64", "--log-level", "warning", *args,
     ]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 (the child writes it; closed with the test's tmp dir)

@@ -1,0 +1,1 @@
+"""Training-time pieces of the demo model: config, modules, data, checkpoint export."""
