@@ -1,0 +1,387 @@
+"""Triton MLA attention in the absorbed form over the paged latent cache: split-KV and its reduce.
+
+Every head reads the same cached rows (latent + rotary key), so one program handles a block of
+BLOCK_Q query tokens x BLOCK_H heads as the M side of its matmuls and loads each KV tile once for
+all of them. The keys of a sequence are cut into num_splits even, tile-aligned ranges, each a
+program of its own (flash-decoding), so a single long sequence still fills the GPU; a second
+kernel merges the splits by their log-sum-exp. num_splits and the grid depend only on shapes: a
+sequence shorter than the splits leaves the trailing ones empty, which makes decode capturable
+in a CUDA graph. mla_extend.py reuses these kernels for prefill chunks (BLOCK_Q > 1, causal).
+
+An FP8 cache holds value / kv_scale: tiles are widened to the compute dtype and kv_scale is
+folded into the score scale and the output. Scores use exp2, so lse is kept in base 2.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_KEYS = 256  # shorter splits cost more in partial results than they add in parallelism
+MAX_SPLITS = 512
+REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
+REDUCE_BLOCK_C = 64  # latent columns per reduce program
+
+_COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split of one sequence: an even share rounded up to whole tiles, at least one."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr):
+    """The page holding each key offs_n (the scratch page 0 from hi on)."""
+    return tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
+
+
+@triton.jit
+def _load_rows(
+    kv_ptr, page, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    RELOAD: tl.constexpr,
+):
+    """Cached rows of keys offs_n in the cache's dtype (zeros from hi on when MASKED) ->
+    (latent for the scores, rotary key, latent for the output).
+
+    The latent feeds two matmuls. Loaded once and widened (FP8), Triton's pipeliner no longer
+    stages it through shared memory, so RELOAD gives each matmul its own load: the second one
+    hits L2, and both stay in the multi-buffered cp.async pipeline.
+    """
+    # int64: page * stride_page overflows int32 in pools past ~3.7M tokens.
+    rows = kv_ptr + page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
+    c_ok = offs_c[None, :] < LATENT
+    p_ok = offs_p[None, :] < ROPE
+    if MASKED:
+        c_ok = c_ok & (offs_n < hi)[:, None]
+        p_ok = p_ok & (offs_n < hi)[:, None]
+    latent = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0)
+    rope = tl.load(rows[:, None] + LATENT + offs_p[None, :], mask=p_ok, other=0.0)
+    if RELOAD:
+        # A different cache modifier also keeps the compiler from merging the two loads.
+        latent_pv = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0, cache_modifier=".cg")
+    else:
+        latent_pv = latent
+    return latent, rope, latent_pv
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q_lat, q_rope, kv_ptr, table_row, lo, hi, pos, offs_c, offs_p,
+    stride_page, stride_slot, qk_scale,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online softmax over keys lo .. hi (lo tile-aligned). Unmasked: whole tiles all rows see.
+
+    Page ids are read a tile ahead so a tile's addresses never wait on a load of the same
+    iteration; otherwise Triton's pipeliner keeps only one KV tile in flight.
+    """
+    offs = tl.arange(0, BLOCK_N)
+    pages = _load_pages(table_row, lo + offs, hi, PAGE_SIZE)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + offs
+        latent, rope, latent_pv = _load_rows(
+            kv_ptr, pages, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
+            LATENT, ROPE, PAGE_SIZE, MASKED, RELOAD,
+        )
+        pages = _load_pages(table_row, offs_n + BLOCK_N, hi, PAGE_SIZE)
+        s = tl.dot(q_lat, tl.trans(latent.to(COMPUTE)), input_precision=PRECISION)
+        s = tl.dot(q_rope, tl.trans(rope.to(COMPUTE)), acc=s, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < hi), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may have no visible key yet in a causal tile; exp2(-inf - 0) keeps it at zero weight.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(COMPUTE), latent_pv.to(COMPUTE), acc=acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_result(
+    acc, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
+    out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh,
+    num_splits, LATENT: tl.constexpr, SPLIT_KV: tl.constexpr,
+):
+    """The normalised output, straight to `out` or, with several splits, as a partial + lse."""
+    o = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    mask = row_ok[:, None] & (offs_c[None, :] < LATENT)
+    if not SPLIT_KV:
+        ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :]
+        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (q_row * num_heads + head) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * LATENT + offs_c[None, :], o, mask=mask)
+        # -inf for rows with no visible key in this split (l_i = 0, m_i = -inf).
+        tl.store(part_lse_ptr + part, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=row_ok)
+
+
+@triton.jit
+def _query_span(seq_lens_ptr, qstart_ptr, b, DECODE: tl.constexpr):
+    """(first query row, query count, cached + new length) of sequence b."""
+    seq_len = tl.load(seq_lens_ptr + b)
+    if DECODE:
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(qstart_ptr + b)
+        q_len = tl.load(qstart_ptr + b + 1) - q_start
+    return q_start, q_len, seq_len
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, qstart_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_page, stride_slot, stride_table, stride_ot, stride_oh,
+    num_heads, num_q_blocks, num_splits, qk_scale, out_scale,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    head_groups = tl.cdiv(num_heads, BLOCK_H)
+    # The last query blocks see the most keys; starting them first evens out the causal tail.
+    q_block = num_q_blocks - 1 - tl.program_id(0) // head_groups
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    prefix = seq_len - q_len
+    chunk = _split_len(seq_len, num_splits, BLOCK_N)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, tl.minimum(seq_len, prefix + (q_block + 1) * BLOCK_Q))
+    if SPLIT_KV and lo >= hi:
+        return  # the reduce never reads an empty split
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)
+    tok = q_block * BLOCK_Q + offs_m // BLOCK_H
+    head = (tl.program_id(0) % head_groups) * BLOCK_H + offs_m % BLOCK_H
+    row_ok = (tok < q_len) & (head < num_heads)
+    pos = prefix + tok
+    q_row = (q_start + tok).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_p = tl.arange(0, BLOCK_P)
+    q_lat = tl.load(
+        q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :],
+        mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
+    ).to(COMPUTE)
+    q_rope = tl.load(
+        q_rope_ptr + q_row[:, None] * stride_rt + head[:, None] * stride_rh + offs_p[None, :],
+        mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0,
+    ).to(COMPUTE)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_C], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
+    table_row = table_ptr + b.to(tl.int64) * stride_table
+    # Whole tiles below the block's first query position are visible to every row: no masks.
+    diag = (prefix + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    mid = tl.maximum(lo, tl.minimum(diag, hi // BLOCK_N * BLOCK_N))
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q_lat, q_rope, kv_ptr, table_row, lo, mid, pos, offs_c, offs_p,
+        stride_page, stride_slot, qk_scale, LATENT, ROPE, BLOCK_N, PAGE_SIZE, False, RELOAD, COMPUTE, PRECISION,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q_lat, q_rope, kv_ptr, table_row, mid, hi, pos, offs_c, offs_p,
+        stride_page, stride_slot, qk_scale, LATENT, ROPE, BLOCK_N, PAGE_SIZE, True, RELOAD, COMPUTE, PRECISION,
+    )
+    _store_result(
+        acc, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
+        out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_splits, LATENT, SPLIT_KV,
+    )
+
+
+@triton.jit
+def _mla_reduce_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, qstart_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+    num_splits, LATENT: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tok = tl.program_id(0) // num_heads
+    head = tl.program_id(0) % num_heads
+    b = tl.program_id(1)
+    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE)
+    if tok >= q_len:
+        return
+    # Splits holding a key this row may see; every one of them was written with a finite lse.
+    pos = seq_len - q_len + tok
+    n_valid = tl.cdiv(pos + 1, _split_len(seq_len, num_splits, BLOCK_N))
+    q_row = (q_start + tok).to(tl.int64)
+    first = (q_row * num_heads + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_valid, BLOCK_S):
+        lse = tl.load(part_lse_ptr + first + s0 + offs_s, mask=s0 + offs_s < n_valid, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, lse)
+    m = tl.max(m_vec, 0)
+    den = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, n_valid, BLOCK_S):
+        ok = s0 + offs_s < n_valid
+        w = tl.exp2(tl.load(part_lse_ptr + first + s0 + offs_s, mask=ok, other=float("-inf")) - m)
+        o = tl.load(
+            part_o_ptr + (first + s0 + offs_s)[:, None] * LATENT + offs_c[None, :],
+            mask=ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
+        )
+        den += w
+        acc += w[:, None] * o
+    # The largest split weighs exactly 1, so den >= 1 unless the row has no keys at all.
+    o = tl.sum(acc, 0) / tl.maximum(tl.sum(den, 0), 1.0)
+    ptrs = out_ptr + q_row * stride_ot + head * stride_oh + offs_c
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_c < LATENT)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape: BLOCK_Q tokens x BLOCK_H heads per program, BLOCK_N keys per step."""
+
+    block_q: int
+    block_h: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    # Programs that fit on an SM at once (registers, shared memory as compiled for sm_90): the
+    # split count aims at exactly one wave of them.
+    ctas_per_sm: int = 1
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal count for CPU (interpreter) tensors."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def num_splits_for(programs: int, max_ctx: int, tiles: Tiles, device: torch.device) -> int:
+    """Key splits that fill one wave of the GPU with `programs` x splits, from shapes only."""
+    slots = tiles.ctas_per_sm * sm_count(device)
+    cap = max(1, min(MAX_SPLITS, max_ctx // max(MIN_SPLIT_KEYS, tiles.block_n)))
+    return max(1, min(slots // max(programs, 1), cap))
+
+
+def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
+    rank, rope = q_latent.shape[-1], q_rope.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != rank + rope or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"MLA attention: cache {tuple(kv_cache.shape)} is not a [pages, page_size, {rank + rope}] tensor "
+            "with contiguous rows"
+        )
+    if q_rope.shape[:-1] != q_latent.shape[:-1] or q_latent.dim() != 3:
+        raise ValueError(f"MLA attention: q_rope {tuple(q_rope.shape)} does not match q_latent {tuple(q_latent.shape)}")
+    if block_table.dim() != 2 or block_table.stride(-1) != 1:
+        raise ValueError(f"MLA attention: block table {tuple(block_table.shape)} must be [B, max_pages], rows contiguous")
+
+
+def run_absorbed(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_query_len: int,
+    scale: float,
+    kv_scale: float,
+    tiles: Tiles,
+    num_splits: int,
+) -> torch.Tensor:
+    """Launch the split kernel (and the reduce when num_splits > 1); query_start_loc None = decode."""
+    _check(q_latent, q_rope, kv_cache, block_table)
+    # Rows may be strided (q_rope is a slice of q); only the innermost dim must be contiguous.
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    rows, heads, rank = q_latent.shape
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    batch = seq_lens.shape[0]
+    if rows == 0 or batch == 0 or max_query_len <= 0:
+        return out
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    kv_scale = float(kv_scale) if fp8 else 1.0
+    # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
+    compute = _COMPUTE[q_latent.dtype] if q_latent.is_cuda else tl.float32
+    decode = query_start_loc is None
+    qstart = seq_lens if decode else query_start_loc
+    num_q_blocks = triton.cdiv(max_query_len, tiles.block_q)
+    if num_splits > 1:
+        part_o = torch.empty(rows, heads, num_splits, rank, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=out.device)
+    else:
+        part_o = part_lse = out
+    grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), batch, num_splits)
+    _mla_split_kernel[grid](
+        q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        heads, num_q_blocks, num_splits, scale * kv_scale * LOG2E, kv_scale,
+        LATENT=rank, ROPE=q_rope.shape[-1],
+        BLOCK_C=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
+        BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
+        SPLIT_KV=num_splits > 1, DECODE=decode, RELOAD=fp8 and compute != tl.float32, COMPUTE=compute,
+        PRECISION="ieee" if compute == tl.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if num_splits > 1:
+        block_c = min(REDUCE_BLOCK_C, triton.next_power_of_2(rank))
+        _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
+            part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
+            num_splits, LATENT=rank, BLOCK_N=tiles.block_n, DECODE=decode,
+            BLOCK_S=REDUCE_BLOCK_S, BLOCK_C=block_c,
+        )
+    return out
+
+
+def decode_tiles(num_heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> Tiles:
+    """Decode launch shape: one token per program, all heads of a group sharing each KV tile."""
+    if device.type != "cuda":
+        return Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1)
+    # Checked for sm_90 with ptxas (no spills; shared memory for the stated programs per SM).
+    if q_dtype == torch.float32:  # tests only: fp32 tiles are twice the size
+        return Tiles(block_q=1, block_h=16, block_n=16, num_warps=8, num_stages=2, ctas_per_sm=2)
+    if num_heads > 16:
+        return Tiles(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1)
+    if kv_dtype == torch.float8_e4m3fn:
+        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
+    return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=2)
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
+    *,
+    num_splits: int | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """Absorbed-form decode over the paged latent cache -> [B, H, rank] (keywords: tuning overrides)."""
+    batch, heads = q_latent.shape[0], q_latent.shape[1]
+    if seq_lens.shape[0] != batch or block_table.shape[0] != batch:
+        raise ValueError(
+            f"mla_decode: {batch} queries but {seq_lens.shape[0]} seq_lens and {block_table.shape[0]} block-table rows"
+        )
+    tiles = tiles or decode_tiles(heads, q_latent.dtype, kv_cache.dtype, q_latent.device)
+    if num_splits is None:
+        programs = batch * triton.cdiv(heads, tiles.block_h)
+        num_splits = num_splits_for(programs, block_table.shape[1] * kv_cache.shape[1], tiles, q_latent.device)
+    return run_absorbed(
+        q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles, num_splits
+    )

@@ -1,0 +1,268 @@
+"""The Triton attention kernels (MLA decode / extend, varlen flash attention, KV gather) match the
+reference ops on fresh random inputs.
+
+Without CUDA the kernels run in Triton's interpreter at tiny shapes, where compute is float32
+and fp32 -> bf16 stores truncate instead of rounding; `gpu` tests use real shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from moeserve.ops.reference import attention as ref
+from moeserve.ops.triton.flash_attention import varlen_attention
+from moeserve.ops.triton.gather_kv import gather_kv
+from moeserve.ops.triton.mla_decode import mla_decode
+from moeserve.ops.triton.mla_extend import mla_extend_absorbed
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+FP8 = torch.float8_e4m3fn
+TOL = {torch.float32: 2e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def _squeeze_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter turns 1-element arrays (program ids, scalar loads) into loop bounds
+    with int(), which numpy >= 2.3 refuses; Triton 3.7 squeezes first. Do the same."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
+    _squeeze_interpreter_scalars()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Frobenius-norm relative error, in fp64 (NaN when `got` holds NaN)."""
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """New tensors start as NaN (floats) or garbage (ints), so elements a kernel skips fail the check."""
+    real_empty, real_like, real_new = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.element_size() > 1:
+            return t.fill_(float("nan"))
+        return t if t.is_floating_point() else t.fill_(-123456)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new(self, *a, **k)))
+
+
+def paged_cache(seq_lens, page_size, width, dtype, gen, kv_scale=1.0, device=DEVICE):
+    """A cache holding random rows for every sequence in shuffled pages, and its page table."""
+    # As in a live pool: spare random pages between the used ones, and a table one page wider
+    # than needed (zeros: the scratch page).
+    counts = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(counts) + 4
+    order = torch.randperm(num_pages, generator=gen) + 1
+    cache = torch.randn(num_pages + 1, page_size, width, generator=gen)
+    cache = ref.quantize_kv(cache, dtype, kv_scale) if dtype == FP8 else cache.to(dtype)
+    table = torch.zeros(len(seq_lens), max(counts) + 1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(counts):
+        table[b, :n] = order[used : used + n]
+        used += n
+    return cache.to(device), table.to(device)
+
+
+def cumsum0(lens) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32, device=DEVICE)
+
+
+def mla_inputs(rows, heads, rank, rope, dtype, gen, device=DEVICE):
+    """q_latent [rows, H, rank] and q_rope as a strided view of a wider tensor, as the model passes it."""
+    q = torch.randn(rows, heads, 16 + rope, generator=gen).to(device=device, dtype=dtype)
+    q_latent = (torch.randn(rows, heads, rank, generator=gen) * rank**-0.25).to(device=device, dtype=dtype)
+    return q_latent, q[..., 16:]
+
+
+def check_decode(seq_lens, heads, rank, rope, page_size, q_dtype, kv_dtype, gen, num_splits=None, tol=None):
+    kv_scale = 0.5 if kv_dtype == FP8 else 1.0
+    cache, table = paged_cache(seq_lens, page_size, rank + rope, kv_dtype, gen, kv_scale)
+    q_latent, q_rope = mla_inputs(len(seq_lens), heads, rank, rope, q_dtype, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale)
+    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, num_splits=num_splits)
+    assert got.dtype == q_latent.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < (tol or TOL[q_dtype])
+
+
+def check_extend(seq_lens, query_lens, heads, rank, rope, page_size, q_dtype, kv_dtype, gen, num_splits=None):
+    kv_scale = 0.5 if kv_dtype == FP8 else 1.0
+    cache, table = paged_cache(seq_lens, page_size, rank + rope, kv_dtype, gen, kv_scale)
+    q_latent, q_rope = mla_inputs(sum(query_lens), heads, rank, rope, q_dtype, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    qsl = cumsum0(query_lens)
+    args = (q_latent, q_rope, cache, table, lens, qsl, max(query_lens), 0.3, kv_scale)
+    want = ref.mla_extend_absorbed(*args)
+    got = mla_extend_absorbed(*args, num_splits=num_splits)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[q_dtype]
+
+
+def check_varlen(query_lens, kv_lens, heads, dq, dv, dtype, gen):
+    q = torch.randn(sum(query_lens), heads, dq, generator=gen).to(device=DEVICE, dtype=dtype)
+    # k and v as slices of one wider tensor, like the model's split of kv_b_proj's output.
+    kv = torch.randn(sum(kv_lens), heads, dq + dv + 8, generator=gen).to(device=DEVICE, dtype=dtype)
+    k, v = kv[..., :dq], kv[..., dq + 8 :]
+    args = (q, k, v, cumsum0(query_lens), cumsum0(kv_lens), max(query_lens), max(kv_lens), dq**-0.5)
+    want = ref.varlen_attention(*args)
+    got = varlen_attention(*args)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[dtype]
+
+
+# --- CPU (interpreter) tests: tiny shapes ------------------------------------------------------
+# The interpreter runs 16-wide tiles: lengths 1, < 16, a few tiles, and one tile past several splits.
+
+
+@pytest.mark.parametrize(
+    ("page_size", "q_dtype", "kv_dtype", "num_splits"),
+    [(1, torch.float32, torch.float32, None), (16, torch.bfloat16, torch.bfloat16, 1), (64, torch.float32, FP8, 3)],
+)
+def test_mla_decode_matches_reference(page_size, q_dtype, kv_dtype, num_splits, poisoned):
+    gen = torch.Generator().manual_seed(page_size)
+    check_decode([1, 13, 70, 37], 4, 32, 8, page_size, q_dtype, kv_dtype, gen, num_splits)
+
+
+def test_mla_decode_many_splits_and_head_groups(poisoned):
+    # 20 heads: two head groups, the second part-filled; 7 splits: short rows leave most empty.
+    gen = torch.Generator().manual_seed(1)
+    check_decode([3, 150], 20, 24, 8, 16, torch.float32, torch.float32, gen, num_splits=7)
+
+
+@pytest.mark.parametrize(("page_size", "kv_dtype", "num_splits"), [(1, torch.float32, 1), (16, FP8, None), (64, torch.float32, 3)])
+def test_mla_extend_matches_reference(page_size, kv_dtype, num_splits, poisoned):
+    # Prefixes of 0, 30 and 56 cached tokens before 9, 3 and 8 new ones; one decode-like row.
+    gen = torch.Generator().manual_seed(10 + page_size)
+    check_extend([9, 33, 64, 20], [9, 3, 8, 1], 4, 32, 8, page_size, torch.float32, kv_dtype, gen, num_splits)
+
+
+@pytest.mark.parametrize(
+    ("dq", "dv", "dtype"), [(24, 16, torch.float32), (24, 16, torch.bfloat16), (10, 7, torch.float32), (192, 128, torch.float32)]
+)
+def test_varlen_attention_matches_reference(dq, dv, dtype, poisoned):
+    # A fresh prompt, prompts after a prefix, a one-token query, and kv shorter than a tile.
+    gen = torch.Generator().manual_seed(dq + dv)
+    check_varlen([20, 7, 1, 5], [20, 40, 18, 5], 2, dq, dv, dtype, gen)
+
+
+@pytest.mark.parametrize(("page_size", "kv_dtype"), [(1, torch.bfloat16), (16, FP8), (64, torch.float32)])
+def test_gather_kv_matches_reference(page_size, kv_dtype, poisoned):
+    gen = torch.Generator().manual_seed(page_size)
+    seq_lens = [5, 70, 1, 33]
+    cache, table = paged_cache(seq_lens, page_size, 40, kv_dtype, gen, kv_scale=0.5)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = ref.gather_kv(cache, table, lens, cumsum0(seq_lens), out_dtype, 0.5)
+        got = gather_kv(cache, table, lens, cumsum0(seq_lens), out_dtype, 0.5)
+        # Exact but for the interpreter's truncating fp32 -> bf16 (one bf16 ulp).
+        assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
+
+
+def test_empty_inputs_and_bad_shapes():
+    gen = torch.Generator().manual_seed(0)
+    cache, table = paged_cache([4], 16, 40, torch.float32, gen)
+    q_latent, q_rope = mla_inputs(1, 2, 32, 8, torch.float32, gen)
+    lens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cache"):
+        mla_decode(q_latent, q_rope[..., :4], cache, table, lens, 1.0)
+    empty = mla_extend_absorbed(q_latent[:0], q_rope[:0], cache, table[:0], lens[:0], cumsum0([]), 0, 1.0)
+    assert empty.shape == (0, 2, 32)
+    q = torch.randn(0, 2, 24, device=DEVICE)
+    assert varlen_attention(q, q, q[..., :16], cumsum0([0]), cumsum0([0]), 0, 0, 1.0).shape == (0, 2, 16)
+
+
+# --- GPU tests: real shapes (DeepSeek-V2-Lite: H = 16; V3: H = 128) -------------------------------
+
+RANK, ROPE = 512, 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+def test_gpu_mla_decode_real_shapes(heads, page_size, kv_dtype, poisoned):
+    gen = torch.Generator().manual_seed(heads + page_size)
+    # Ragged: one token, shorter than a split, a few splits, and a long row.
+    check_decode([1, 100, 777, 4096, 20000], heads, RANK, ROPE, page_size, torch.bfloat16, kv_dtype, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_mla_decode_split_counts(batch, poisoned):
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+    for splits in (1, 2, 37):
+        check_decode(lens, 16, RANK, ROPE, 64, torch.bfloat16, torch.bfloat16, gen, num_splits=splits)
+    check_decode(lens[:4], 16, RANK, ROPE, 16, torch.float32, torch.float32, gen, num_splits=5, tol=3e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(("page_size", "kv_dtype"), [(1, torch.bfloat16), (16, FP8), (64, torch.bfloat16)])
+def test_gpu_mla_extend_real_shapes(heads, page_size, kv_dtype, poisoned):
+    gen = torch.Generator().manual_seed(heads * page_size)
+    # Fresh chunks, chunks after long prefixes, and a single-token row: one split per program.
+    check_extend([300, 2100, 7000, 5], [300, 100, 17, 1], heads, RANK, ROPE, page_size, torch.bfloat16, kv_dtype, gen)
+    # A few queries after long prefixes: too few programs, so the keys are split.
+    check_extend([8000, 3000], [3, 1], heads, RANK, ROPE, page_size, torch.bfloat16, kv_dtype, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dq", "dv", "heads"), [(192, 128, 16), (192, 128, 128), (24, 16, 4), (64, 64, 8)])
+def test_gpu_varlen_attention_real_shapes(dq, dv, heads, poisoned):
+    gen = torch.Generator().manual_seed(dq)
+    check_varlen([1024, 300, 1, 77], [1024, 2348, 900, 77], heads, dq, dv, torch.bfloat16, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("page_size", "kv_dtype"), [(1, torch.bfloat16), (64, FP8)])
+def test_gpu_gather_kv_real_shapes(page_size, kv_dtype, poisoned):
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [1, 1000, 7000]
+    cache, table = paged_cache(seq_lens, page_size, RANK + ROPE, kv_dtype, gen, kv_scale=0.25)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = ref.gather_kv(cache, table, lens, cumsum0(seq_lens), torch.bfloat16, 0.25)
+    assert torch.equal(gather_kv(cache, table, lens, cumsum0(seq_lens), torch.bfloat16, 0.25), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+def test_gpu_mla_decode_replays_in_cuda_graph(kv_dtype):
+    gen = torch.Generator().manual_seed(7)
+    batch, width, page_size = 4, 80, 64  # room for 5120 tokens per row
+    cache, _ = paged_cache([width * page_size] * batch, page_size, RANK + ROPE, kv_dtype, gen)
+    q_latent, q_rope = mla_inputs(batch, 16, RANK, ROPE, torch.bfloat16, gen)
+    table = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(batch, dtype=torch.int32, device=DEVICE)
+    mla_decode(q_latent, q_rope, cache, table, lens, 0.3)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q_latent, q_rope, cache, table, lens, 0.3)
+    pages = cache.shape[0] - 1
+    for seq_lens in ([1, 2, 3, 4], [5120, 17, 640, 3000], [64, 4097, 1, 999]):
+        table.copy_(torch.randperm(pages, generator=gen)[: batch * width].view(batch, width).to(DEVICE) + 1)
+        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        q_latent.copy_(torch.randn(q_latent.shape, generator=gen) * RANK**-0.25)
+        graph.replay()
+        want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3)
+        assert rel_err(out, want) < 1e-2
