@@ -30,7 +30,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights fp32 [T, k], expert ids [T, k])."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float())  # no copy: the loader keeps it float32
         return ops.select_experts(
             logits,
             top_k=c.num_experts_per_tok,

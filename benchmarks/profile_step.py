@@ -1,0 +1,64 @@
+"""Where a decode step's time goes: CUDA kernel times of replayed decode graphs and of a prefill.
+
+    python benchmarks/profile_step.py --model DIR_OR_CONFIG [--load-format dummy] [--batch-sizes 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeserve import SamplingParams  # noqa: E402
+from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.config.engine_config import EngineConfig  # noqa: E402
+from moeserve.engine.engine import EngineCore  # noqa: E402
+
+
+def table(prof, title: str, steps: int, rows: int = 18) -> None:
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    print(f"== {title}: {total / steps / 1000:.3f} ms of kernels per step")
+    for e in events[:rows]:
+        print(f"  {e.device_time_total / steps:9.1f} us  x{e.count // steps:<4d} {e.key[:90]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--batch-sizes", default="1,8,64")
+    ap.add_argument("--input-len", type=int, default=1024)
+    a = ap.parse_args()
+    core = EngineCore(EngineConfig(model=a.model, load_format=a.load_format, max_model_len=4096, cuda_graph_max_bs=256))
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for bs in [int(b) for b in a.batch_sizes.split(",")]:
+        for i, p in enumerate(random_prompts(bs, a.input_len, vocab, bs)):
+            core.add_request(f"p{bs}-{i}", p, params)
+        prefill_steps = 0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            while any(len(r.output_token_ids) == 0 for r in core.requests.values()):
+                core.step()
+                prefill_steps += 1
+            torch.cuda.synchronize()
+        table(prof, f"prefill b{bs} isl{a.input_len} ({prefill_steps} steps)", 1)
+        for _ in range(5):
+            core.step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                core.step()
+            torch.cuda.synchronize()
+        table(prof, f"decode b{bs}", 10)
+        while core.has_unfinished_requests():
+            core.step()
+
+
+if __name__ == "__main__":
+    main()
