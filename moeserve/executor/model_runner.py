@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -106,7 +107,18 @@ class ModelRunner:
         self.graphs.capture()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        """Host array to the device without making the CPU wait for queued GPU work.
+
+        A copy from pageable memory blocks until the stream drains, which would serialise the
+        overlap scheduler; going through pinned memory keeps it asynchronous.
+        """
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _int32(self, values: list[int]) -> torch.Tensor:
+        return self._to_device(np.asarray(values, dtype=np.int32))
 
     def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
         """Token ids on the device, placeholders replaced by the tokens the last step sampled."""
@@ -116,43 +128,58 @@ class ModelRunner:
             tokens = torch.where(tokens < 0, future, tokens)
         return tokens
 
-    def _int32(self, values: list[int]) -> torch.Tensor:
-        return self._to_device(np.asarray(values, dtype=np.int32))
+    @staticmethod
+    def _token_ids(items: list[ScheduledRequest]) -> np.ndarray:
+        """Each item's new tokens, without concatenating whole prompt and output lists."""
+        ids: list[int] = []
+        for it in items:
+            req, s, n = it.request, it.start, it.num_new_tokens
+            lp = len(req.prompt_token_ids)
+            if s >= lp:
+                ids.extend(req.output_token_ids[s - lp : s - lp + n])
+            else:
+                ids.extend(req.prompt_token_ids[s : s + n])
+                if s + n > lp:
+                    ids.extend(req.output_token_ids[: s + n - lp])
+        return np.asarray(ids, dtype=np.int64)
+
+    @staticmethod
+    def _block_table(items: list[ScheduledRequest]) -> np.ndarray:
+        lens = np.fromiter((len(it.request.page_table) for it in items), dtype=np.int64, count=len(items))
+        table = np.zeros((len(items), int(lens.max())), dtype=np.int32)
+        flat = itertools.chain.from_iterable(it.request.page_table for it in items)
+        table[np.arange(table.shape[1])[None, :] < lens[:, None]] = np.fromiter(flat, dtype=np.int32, count=int(lens.sum()))
+        return table
 
     def prepare(self, items: list[ScheduledRequest]) -> ForwardBatch:
-        """Flatten scheduled requests (already ordered decodes first) into forward tensors."""
+        """Flatten scheduled requests (decodes first) into forward tensors, vectorised on the host."""
         assert self.kv_cache is not None
-        ids, positions, slots, seq_lens, query_lens, logits_rows = [], [], [], [], [], []
-        max_pages = max(len(it.request.page_table) for it in items)
-        block_table = np.zeros((len(items), max_pages), dtype=np.int32)
-        num_tokens = 0
-        for row, it in enumerate(items):
-            req, start, n = it.request, it.start, it.num_new_tokens
-            pos = np.arange(start, start + n)
-            table = np.asarray(req.page_table, dtype=np.int64)
-            ids.append(np.asarray(req.all_token_ids[start : start + n], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // self.page_size] * self.page_size + pos % self.page_size)
-            block_table[row, : len(table)] = table
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            num_tokens += n
-            if it.samples:
-                logits_rows.append(num_tokens - 1)
-        num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+        count = len(items)
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=count)
+        new = np.fromiter((it.num_new_tokens for it in items), dtype=np.int64, count=count)
+        ends = np.cumsum(new)
+        block_table = self._block_table(items)
+        rows = np.repeat(np.arange(count), new)
+        positions = np.repeat(starts, new) + np.arange(int(ends[-1])) - np.repeat(ends - new, new)
+        slots = block_table[rows, positions // self.page_size].astype(np.int64) * self.page_size
+        slots += positions % self.page_size
+        samples = np.fromiter((it.samples for it in items), dtype=bool, count=count)
+        query_lens = new.tolist()
+        num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), count)
+        seq_lens = starts + new
         fb = ForwardBatch(
-            input_ids=self._input_ids(np.concatenate(ids)),
-            positions=self._to_device(np.concatenate(positions)),
-            slot_mapping=self._to_device(np.concatenate(slots)),
+            input_ids=self._input_ids(self._token_ids(items)),
+            positions=self._to_device(positions),
+            slot_mapping=self._to_device(slots),
             block_table=self._to_device(block_table),
-            seq_lens_t=self._int32(seq_lens),
-            seq_lens=seq_lens,
+            seq_lens_t=self._to_device(seq_lens.astype(np.int32)),
+            seq_lens=seq_lens.tolist(),
             query_lens=query_lens,
             num_decodes=num_decodes,
-            logits_indices=self._to_device(np.asarray(logits_rows, dtype=np.int64)),
+            logits_indices=self._to_device(ends[samples] - 1),
             kv_cache=self.kv_cache,
         )
-        if num_decodes < len(items):
+        if num_decodes < count:
             self._describe_extends(fb)
         return fb
 
@@ -191,16 +218,16 @@ class ModelRunner:
         Sampled tokens also go to the step's future-token buffer, from which the next step's
         inputs are read, so the next step can be launched before this one is collected.
         """
-        items = sorted(batch.items, key=lambda it: it.num_new_tokens != 1)
+        items = batch.items  # the scheduler orders decodes first
         fb = self.prepare(items)
         logits = self._logits(fb)
         rows = [it for it in items if it.samples]
         if not rows:
             return StepHandle(rows, None)
         ban_stop_tokens(logits, rows)
-        out = sample(logits, sampling_batch(rows, self.config.vocab_size, self.device))
-        index = torch.tensor([it.future_index for it in rows], dtype=torch.int64, device=self.device)
-        self.future_tokens[batch.parity].index_copy_(0, index, out.token_ids)
+        out = sample(logits, sampling_batch(rows, self.config.vocab_size, self._to_device))
+        # Sampling rows were numbered 0..N-1 in this order when the step was committed.
+        self.future_tokens[batch.parity, : len(rows)].copy_(out.token_ids)
         return StepHandle(rows, out.to_host())
 
     def collect(self, handle: StepHandle) -> list[SampledToken]:

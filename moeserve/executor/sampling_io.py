@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from moeserve.core.batch import ScheduledRequest
@@ -10,27 +13,34 @@ from moeserve.core.request import TokenLogprobs
 from moeserve.layers.sampler import SamplerOutput, SamplingBatch
 
 
-def sampling_batch(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> SamplingBatch:
-    """Each sampling row's parameters as tensors."""
-    reqs = [it.request for it in items]
-    params = [r.sampling_params for r in reqs]
+def sampling_batch(
+    items: list[ScheduledRequest], vocab_size: int, to_device: Callable[[np.ndarray], torch.Tensor]
+) -> SamplingBatch:
+    """Each sampling row's parameters as tensors (none at all when every row is greedy)."""
+    params = [it.request.sampling_params for it in items]
     wanted = [p.logprobs for p in params if p.logprobs is not None]
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    all_greedy = all(p.greedy for p in params)
+    num_logprobs = max(wanted) if wanted else -1
+    if all(p.greedy for p in params):
+        return SamplingBatch.greedy(num_logprobs)
+    floats = to_device(
+        np.array([[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+                  [p.min_p for p in params]], dtype=np.float32)
+    )  # fmt: skip
+    ints = to_device(
+        np.array([[p.top_k if p.top_k > 0 else vocab_size for p in params],
+                  [it.request.sampling_seed for it in items], [it.output_index for it in items]], dtype=np.int64)
+    )  # fmt: skip
     return SamplingBatch(
-        temperature=tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32),
-        top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
-        top_p=tensor([p.top_p for p in params], torch.float32),
-        min_p=tensor([p.min_p for p in params], torch.float32),
-        seeds=tensor([r.sampling_seed for r in reqs], torch.int64),
-        steps=tensor([it.output_index for it in items], torch.int64),
-        all_greedy=all_greedy,
+        temperature=floats[0],
+        top_k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        seeds=ints[1],
+        steps=ints[2],
+        all_greedy=False,
         needs_sorting=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
-        num_logprobs=max(wanted) if wanted else -1,
+        num_logprobs=num_logprobs,
     )
 
 

@@ -29,6 +29,11 @@ class SamplingBatch:
     needs_min_p: bool
     num_logprobs: int  # most top logprobs any row asked for; -1 when no row wants logprobs
 
+    @classmethod
+    def greedy(cls, num_logprobs: int = -1) -> SamplingBatch:
+        """A batch where every row takes the argmax: no per-row tensors needed."""
+        return cls(None, None, None, None, None, None, True, False, False, num_logprobs)  # type: ignore[arg-type]
+
 
 @dataclass
 class SamplerOutput:

@@ -188,6 +188,8 @@ class Scheduler:
             self.new_token_ratio = max(
                 self.engine.min_new_token_ratio, self.new_token_ratio - self.engine.new_token_ratio_decay
             )
+        # Decodes first: the model runner's row order, which the future-token rows follow.
+        batch.items.sort(key=lambda it: it.num_new_tokens != 1)
         self._commit(batch)
         self.stats.last_decode_batch_size = batch.num_decodes
         return batch
