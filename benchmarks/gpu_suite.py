@@ -35,12 +35,6 @@ def engine(model: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(**{**base, **kw}))
 
 
-def free(core: EngineCore) -> None:
-    del core
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def latency_part(model: str, read_gbs: float, out: list, kw: dict) -> None:
     core = engine(model, **kw)
     desc = core.describe()
@@ -53,7 +47,6 @@ def latency_part(model: str, read_gbs: float, out: list, kw: dict) -> None:
         fields = latency.measure(core, bs, 1024, 256, 0, True, read_gbs)
         out.append(record(name, "cuda", **fields, engine=desc))
         print(name, {k: fields[k] for k in ("out_tok_s", "ttft_s", "median_decode_step_ms", "floor_ratio") if k in fields}, flush=True)
-    free(core)
 
 
 def offline_part(model: str, out: list, kw: dict) -> None:
@@ -61,22 +54,29 @@ def offline_part(model: str, out: list, kw: dict) -> None:
     fields = offline.measure(core, 1024, 1024, 512, 0)
     out.append(record("offline_1024x_isl1024_osl512", "cuda", **fields, engine=core.describe()))
     print("offline_1024x_isl1024_osl512", fields, flush=True)
-    free(core)
+
+
+def _graph_set_rows(model: str, preset: str, kw: dict, concurrencies: list[int], isl: int, osl: int) -> list:
+    """One engine with one batch-size set, measured at each concurrency (freed on return)."""
+    start = time.perf_counter()
+    core = engine(model, cuda_graph_bs=preset, **kw)
+    startup = time.perf_counter() - start
+    desc, rows = core.describe(), []
+    for conc in concurrencies:
+        fields = offline.measure(core, conc, isl, osl, 7)
+        row = dict(set=preset, concurrency=conc, graphs=desc["cuda_graphs"], graph_mib=desc["cuda_graph_mib"],
+                   kv_tokens=desc["kv_tokens"], startup_s=round(startup, 1),
+                   capture_s=desc["cuda_graph_capture_s"], **fields)  # fmt: skip
+        rows.append(record(f"graph_set_{preset}_c{conc}_isl{isl}_osl{osl}", "cuda", **row))
+        print("graph set", preset, conc, fields["out_tok_s"], desc["cuda_graphs"], desc["cuda_graph_mib"], flush=True)
+    return rows
 
 
 def graph_sets_part(model: str, out: list, kw: dict, concurrencies: list[int], isl: int, osl: int) -> None:
     for preset in ("x2", "+64", "+8"):
-        start = time.perf_counter()
-        core = engine(model, cuda_graph_bs=preset, **kw)
-        startup = time.perf_counter() - start
-        desc = core.describe()
-        for conc in concurrencies:
-            fields = offline.measure(core, conc, isl, osl, 7)
-            row = dict(set=preset, concurrency=conc, graphs=desc["cuda_graphs"], graph_mib=desc["cuda_graph_mib"],
-                       kv_tokens=desc["kv_tokens"], startup_s=round(startup, 1), **fields)
-            out.append(record(f"graph_set_{preset}_c{conc}_isl{isl}_osl{osl}", "cuda", **row))
-            print("graph set", preset, conc, fields["out_tok_s"], desc["cuda_graphs"], desc["cuda_graph_mib"], flush=True)
-        free(core)
+        out.extend(_graph_set_rows(model, preset, kw, concurrencies, isl, osl))
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -98,8 +98,12 @@ def main() -> None:
     try:
         if "latency" in parts:
             latency_part(a.model, read_gbs, out, kw)
+            gc.collect()
+            torch.cuda.empty_cache()
         if "offline" in parts:
             offline_part(a.model, out, kw)
+            gc.collect()
+            torch.cuda.empty_cache()
         if "graph_sets" in parts:
             concurrencies = [int(c) for c in a.concurrencies.split(",")]
             graph_sets_part(a.model, out, kw, concurrencies, a.graph_set_isl, a.graph_set_osl)

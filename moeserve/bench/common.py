@@ -38,6 +38,14 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def _command() -> str:
+    """How this process was started, as a user would type it."""
+    program = Path(sys.argv[0])
+    if program.name in ("moeserve", "__main__.py"):
+        return "moeserve " + " ".join(sys.argv[1:])
+    return "python " + " ".join([str(program), *sys.argv[1:]])
+
+
 def record(name: str, device: str, **fields: Any) -> dict:
     """A result object with the fields every benchmark file carries."""
     return {
@@ -45,7 +53,7 @@ def record(name: str, device: str, **fields: Any) -> dict:
         "device": device_name(device),
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
-        "command": "moeserve " + " ".join(sys.argv[1:]),
+        "command": _command(),
         **fields,
     }
 
