@@ -8,7 +8,6 @@ import pytest
 
 from tests.server.launcher import API_KEY, make_serve_checkpoint, start_server
 
-
 # The server's packages are optional (the GPU machine lacks them): without them, skip these tests.
 _NEEDED = ("openai", "zmq", "fastapi", "uvicorn", "msgspec", "prometheus_client")
 if any(importlib.util.find_spec(m) is None for m in _NEEDED):
