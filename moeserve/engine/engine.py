@@ -92,9 +92,12 @@ class EngineCore:
         activation = graph_reserve = 0
         if self.device.type == "cuda":
             activation = runner.profile_activation_peak(engine.max_num_batched_tokens)
-            # The graphs' shared pool holds one decode step's activations at the largest size;
-            # a decode token needs far less than a prefill token, so this bound is generous.
-            graph_reserve = 0 if engine.disable_cuda_graph else activation // 4
+            # The graphs' shared pool holds one decode step's activations at the largest size
+            # (a decode token needs far less than a prefill token: a quarter of the prefill peak
+            # is generous) plus the graphs' float32 logits buffer and its bf16 source.
+            max_bs = engine.cuda_graph_max_bs or min(engine.max_num_seqs, 512)
+            logits = max_bs * self.model_config.vocab_size * 6
+            graph_reserve = 0 if engine.disable_cuda_graph else activation // 4 + logits
         element_bytes = torch.empty((), dtype=kv_dtype).element_size()
         plan = plan_kv_pool(
             self.model_config, engine, runner.num_layers, element_bytes, self.device, max_len, activation, graph_reserve
