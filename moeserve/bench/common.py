@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import subprocess
@@ -21,12 +22,13 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 
 
 def git_commit() -> str:
-    """The checkout's commit, or 'unknown' outside a git checkout."""
+    """The checkout's commit: git's answer, else $MOESERVE_COMMIT (copies without .git), else 'unknown'."""
+    env = os.environ.get("MOESERVE_COMMIT")
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        return out.stdout.strip() or env or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return env or "unknown"
 
 
 def device_name(device: str) -> str:
