@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 0
     sampling_seed: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -56,7 +54,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_retractions: int = 0
-    first_token_time: float | None = None
     # Overlap scheduling: a sampled token is a placeholder (negative id) until its step is
     # collected; `in_flight` counts launched steps not yet collected that include this request.
     num_pending_tokens: int = 0

@@ -221,6 +221,8 @@ class EngineCore:
         """
         batch = self.scheduler.schedule()
         handle = self.runner.launch(batch) if batch.items else None
+        if handle is not None:
+            self.scheduler.stats.cuda_graph_padded_tokens += self.runner.last_padded_tokens
         if self.engine.disable_overlap_schedule:
             outputs = self.scheduler.update(batch, self.runner.collect(handle)) if handle else []
         else:

@@ -42,6 +42,7 @@ class SchedulerStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     last_decode_batch_size: int = 0
+    cuda_graph_padded_tokens: int = 0
 
 
 class Scheduler:

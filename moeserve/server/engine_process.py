@@ -183,6 +183,7 @@ class EngineLoop:
             kv_used_pages=self.core.kv.used_pages,
             kv_num_pages=self.core.kv.num_pages,
             num_retractions=s.num_retractions,
+            cuda_graph_padded_tokens=s.cuda_graph_padded_tokens,
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             prefix_queried_tokens=s.prefix_queried_tokens,

@@ -44,6 +44,7 @@ class EngineStats(msgspec.Struct):
     kv_used_pages: int = 0
     kv_num_pages: int = 0
     num_retractions: int = 0
+    cuda_graph_padded_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_queried_tokens: int = 0

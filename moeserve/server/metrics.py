@@ -65,6 +65,7 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages held by requests (1 = full).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.")
         self.retractions = counter("num_retractions", "Requests retracted (recomputed later) because KV ran out.")
+        self.padded_tokens = counter("cuda_graph_padded_tokens", "Padding rows decode CUDA graphs computed.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         success = Counter(
@@ -87,6 +88,7 @@ class ServerMetrics:
             self.prefix_hit_rate.set(stats.prefix_hit_tokens / stats.prefix_queried_tokens)
         last = self._last
         self.retractions.inc(max(0, stats.num_retractions - last.num_retractions))
+        self.padded_tokens.inc(max(0, stats.cuda_graph_padded_tokens - last.cuda_graph_padded_tokens))
         self.prompt_tokens.inc(max(0, stats.prompt_tokens - last.prompt_tokens))
         self.generation_tokens.inc(max(0, stats.generation_tokens - last.generation_tokens))
         self._last = stats
