@@ -140,7 +140,7 @@ class EngineCore:
             "cuda_graph_sizes": graphs.sizes if graphs else [],
             "cuda_graph_mib": round(graphs.memory_bytes / 2**20, 1) if graphs else 0.0,
             "cuda_graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
-            "startup_s": round(getattr(self, "startup_seconds", 0.0), 2),
+            "startup_s": round(self.startup_seconds, 2),
             "max_model_len": self.max_model_len,
         }
 

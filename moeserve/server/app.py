@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from moeserve import __version__
+from moeserve.core.sampling_params import SamplingParams
 from moeserve.engine.tokenizer import Tokenizer
 from moeserve.server.chat import ChatTemplate
 from moeserve.server.config import ServerConfig
@@ -111,15 +112,19 @@ def _generation_routes(v1: APIRouter, state: ServerState) -> None:
             card["max_model_len"] = client.info.max_model_len
         return {"object": "list", "data": [card]}
 
+    async def _generation_request(request: Request, model: type[BaseModel]) -> tuple[Any, SamplingParams]:
+        """Checks shared by both generation endpoints: engine up, body valid, parameters valid."""
+        client.check_available()
+        req = await body_of(request, config, model)
+        try:
+            return req, req.to_sampling_params()
+        except ValueError as e:
+            raise from_value_error(e) from None
+
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        client.check_available()
-        req: CompletionRequest = await body_of(request, config, CompletionRequest)
-        try:
-            params = req.to_sampling_params()
-        except ValueError as e:
-            raise from_value_error(e) from None
+        req, params = await _generation_request(request, CompletionRequest)
         prompts = completion_prompts(state.tokenizer, req.prompt)
         ctx = ResponseContext("completions", config.model_name, state.tokenizer, req.logprobs is not None)
         return await respond(client, request, ctx, prompts, params, req.stream, req.include_usage, arrival)
@@ -127,12 +132,7 @@ def _generation_routes(v1: APIRouter, state: ServerState) -> None:
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        client.check_available()
-        req: ChatCompletionRequest = await body_of(request, config, ChatCompletionRequest)
-        try:
-            params = req.to_sampling_params()
-        except ValueError as e:
-            raise from_value_error(e) from None
+        req, params = await _generation_request(request, ChatCompletionRequest)
         prompt = chat_prompt(state.tokenizer, state.chat_template, req)
         ctx = ResponseContext("chat", config.model_name, state.tokenizer, req.logprobs)
         return await respond(client, request, ctx, [prompt], params, req.stream, req.include_usage, arrival)
