@@ -47,12 +47,16 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def dense_weight_bytes(model: DeepseekForCausalLM) -> int:
     """Weights every decode step reads whatever the routing: all but routed experts, the
-    embedding table (a step reads only its rows) and MTP modules (unused in plain decode)."""
+    embedding table (a step reads only its rows) and MTP modules (unused in plain decode).
+    Shared experts count here, though they are stored beside the routed ones."""
     total = 0
     for name, p in model.named_parameters():
         if name.startswith("mtp.") or name == "model.embed_tokens.weight" or ".experts.w" in name:
             continue
         total += _nbytes(p)
+    for module in model.model.modules():
+        if isinstance(module, MoE):
+            total += module.experts.num_shared * expert_bytes(model)
     return total
 
 
@@ -69,8 +73,9 @@ def count_touched_experts(model: DeepseekForCausalLM) -> Iterator[list[int]]:
     """Collects, per MoE layer of the next eager forward(s), how many distinct experts were hit."""
     counts: list[int] = []
 
-    def hook(_module, _inputs, output) -> None:
-        counts.append(int(output[1].unique().numel()))
+    def hook(module, _inputs, output) -> None:
+        routed = output[1][:, : module.config.num_experts_per_tok]  # not the appended shared experts
+        counts.append(int(routed.unique().numel()))
 
     handles = [m.register_forward_hook(hook) for m in model.model.modules() if isinstance(m, Router)]
     try:

@@ -94,26 +94,28 @@ class MLAAttention(nn.Module):
         )
         d = batch.num_decode_tokens
         w_uk, w_uv = self._w_uk_uv()
+        # Every path writes its rows of `out` in place: no concatenation or copy before o_proj.
         out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
         if d:
-            q_latent = torch.einsum("thn,hnc->thc", q[:d, :, : self.nope_dim], w_uk)
+            q_latent = per_head_matmul(q[:d, :, : self.nope_dim], w_uk)
             b = batch.num_decodes
             o_latent = ops.mla_decode(
                 q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale, kv_scale
             )
-            out[:d] = torch.einsum("thc,hvc->thv", o_latent, w_uv)
+            per_head_matmul(o_latent, w_uv.transpose(1, 2), out[:d])
         if hidden.shape[0] > d:
             if batch.extend_use_mha:
-                out[d:] = self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch)
+                self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch, out[d:])
             else:
-                out[d:] = self._extend_absorbed(q[d:], cache, batch, w_uk, w_uv)
+                self._extend_absorbed(q[d:], cache, batch, w_uk, w_uv, out[d:])
         return self.o_proj(out.flatten(1))
 
     def _extend_absorbed(
-        self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, w_uk: torch.Tensor, w_uv: torch.Tensor
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, w_uk: torch.Tensor, w_uv: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         b = batch.num_decodes
-        q_latent = torch.einsum("thn,hnc->thc", q[..., : self.nope_dim], w_uk)
+        q_latent = per_head_matmul(q[..., : self.nope_dim], w_uk)
         o_latent = ops.mla_extend_absorbed(
             q_latent,
             q[..., self.nope_dim :],
@@ -125,11 +127,12 @@ class MLAAttention(nn.Module):
             self.scale,
             batch.kv_cache.kv_scale,
         )
-        return torch.einsum("thc,hvc->thv", o_latent, w_uv)
+        per_head_matmul(o_latent, w_uv.transpose(1, 2), out)
 
     def _extend_mha(
-        self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch,
+        out: torch.Tensor,
+    ) -> None:
         """Decompressed attention for the extend rows, reading any cached prefix back from pages."""
         b = batch.num_decodes
         cu_k = batch.extend_query_start_loc
@@ -140,7 +143,17 @@ class MLAAttention(nn.Module):
             latent, k_rope = kv[:, : self.kv_lora_rank], kv[:, self.kv_lora_rank :]
         kv_b = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv_b.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
-        return ops.varlen_attention(
-            q, k, v, batch.extend_query_start_loc, cu_k, batch.max_extend_len, max_kv, self.scale
+        # The rotary key is one vector per token shared by all heads: passed once, not expanded.
+        ops.varlen_attention(
+            q, k_nope, v, batch.extend_query_start_loc, cu_k, batch.max_extend_len, max_kv, self.scale,
+            k_rope=k_rope, out=out,
         )
+
+
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H, a] @ [H, a, b] -> [T, H, b]: one batched GEMM over heads, written token-major into `out`."""
+    if out is None:
+        out = x.new_empty(x.shape[0], w.shape[0], w.shape[2])
+    # A transposed view of a token-major buffer is a valid strided batched-GEMM output: no copy.
+    torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+    return out

@@ -8,7 +8,11 @@ from torch import nn
 
 from moeserve import ops
 from moeserve.config.model_config import ModelConfig
-from moeserve.layers.mlp import GatedMLP
+
+# Up to this many tokens the shared experts run inside the fused MoE kernels as extra experts:
+# at decode sizes that saves three launches a layer and streams their weights at the MoE
+# kernels' bandwidth. Past it, cuBLAS GEMMs on the same stacked weights are faster.
+FUSED_SHARED_MAX_TOKENS = 32
 
 
 class Router(nn.Module):
@@ -27,8 +31,8 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights fp32 [T, k], expert ids [T, k])."""
+    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights fp32 [T, k + S], expert ids [T, k + S]); the S shared experts come last."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # no copy: the loader keeps it float32
         return ops.select_experts(
@@ -42,20 +46,35 @@ class Router(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
             correction_bias=self.e_score_correction_bias,
             scale_after_norm=c.model_type == "deepseek_v3",
+            num_shared=num_shared,
         )
 
 
-class RoutedExperts(nn.Module):
-    """All routed experts' weights as two stacked tensors, the layout fused kernels want."""
+class Experts(nn.Module):
+    """Every expert's weights as two stacked tensors, the layout fused kernels want.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    Rows 0 .. E - 1 are the routed experts; the shared experts follow as S more experts of the
+    same width (a shared MLP of width S * I is exactly the sum of S MLPs of width I, so the
+    checkpoint's one wide shared MLP is stored as S slices).
+    """
+
+    def __init__(self, num_routed: int, num_shared: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.num_routed = num_routed
+        self.num_shared = num_shared
         self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        total = num_routed + num_shared
+        self.w13_weight = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the shared experts' output, through dense GEMMs on their stacked slices."""
+        e, s, inter = self.num_routed, self.num_shared, self.intermediate_size
+        gate_up = F.linear(x, self.w13_weight[e:].reshape(s * 2 * inter, x.shape[1]))
+        act = ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s, inter)
+        for j in range(s):
+            out.addmm_(act[:, j], self.w2_weight[e + j].t())
+        return out
 
 
 class MoE(nn.Module):
@@ -65,16 +84,16 @@ class MoE(nn.Module):
         super().__init__()
         assert config.n_routed_experts is not None
         self.gate = Router(config)
-        self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_experts = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
-            if config.n_shared_experts
-            else None
+        self.experts = Experts(
+            config.n_routed_experts, config.n_shared_experts, config.hidden_size, config.moe_intermediate_size
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.experts
+        if experts.num_shared and x.shape[0] <= FUSED_SHARED_MAX_TOKENS:
+            weights, ids = self.gate(x, experts.num_shared)
+            return ops.fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids)
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        e = experts.num_routed
+        out = ops.fused_moe(x, experts.w13_weight[:e], experts.w2_weight[:e], weights, ids)
+        return experts.add_shared(x, out) if experts.num_shared else out

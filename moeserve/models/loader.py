@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,13 +25,15 @@ logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SHARED = re.compile(r"^(.*\.mlp)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # Checkpoint matrices that moeserve stores stacked with a sibling, so one GEMM computes both.
 _STACKED = re.compile(r"^(.*?)\.(gate_proj|up_proj|q_proj|q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 
-Target = tuple[str, tuple]
+# (model parameter name, index into it, how to lay the checkpoint tensor out to fit, if at all)
+Target = tuple[str, tuple, Callable[[torch.Tensor], torch.Tensor] | None]
 
 
 class CheckpointError(ValueError):
@@ -85,8 +88,18 @@ def build_model(config: ModelConfig, num_mtp_layers: int, dtype: torch.dtype, de
     return model.to_empty(device=device).requires_grad_(False).eval()
 
 
+def _shared_expert_target(prefix: str, proj: str, config: ModelConfig) -> Target:
+    """The shared MLP (width S * I) as S extra experts after the routed ones (see layers.moe.Experts)."""
+    e, s, inter = config.n_routed_experts or 0, config.n_shared_experts, config.moe_intermediate_size
+    rows = slice(e, e + s)
+    if proj == "down_proj":  # [H, S * I] -> S slices [H, I]
+        return f"{prefix}.experts.w2_weight", (rows,), lambda t: t.view(t.shape[0], s, inter).transpose(0, 1)
+    half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+    return f"{prefix}.experts.w13_weight", (rows, half), lambda t: t.view(s, inter, t.shape[1])
+
+
 def _target(name: str, config: ModelConfig, params: dict[str, torch.Tensor]) -> Target:
-    """Map a checkpoint tensor name to (model parameter name, index into it)."""
+    """Map a checkpoint tensor name to where it goes in the model."""
     layer = _LAYER.match(name)
     if layer and int(layer.group(1)) >= config.num_hidden_layers:
         j, rest = int(layer.group(1)) - config.num_hidden_layers, layer.group(2)
@@ -95,14 +108,17 @@ def _target(name: str, config: ModelConfig, params: dict[str, torch.Tensor]) -> 
     if expert:
         prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
         if proj == "down_proj":
-            return f"{prefix}.w2_weight", (e,)
+            return f"{prefix}.w2_weight", (e,), None
         inter = config.moe_intermediate_size
         half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        return f"{prefix}.w13_weight", (e, half)
+        return f"{prefix}.w13_weight", (e, half), None
     fused = _FUSED_EXPERT.match(name)
     if fused:
         suffix = "w13_weight" if fused.group(2) == "gate_up_proj" else "w2_weight"
-        return f"{fused.group(1)}.{suffix}", ()
+        return f"{fused.group(1)}.{suffix}", (slice(0, config.n_routed_experts),), None
+    shared = _SHARED.match(name)
+    if shared and f"{shared.group(1)}.experts.w13_weight" in params:
+        return _shared_expert_target(shared.group(1), shared.group(2), config)
     stacked = _STACKED.match(name)
     if stacked:
         prefix, proj, kind = stacked.groups()
@@ -110,15 +126,15 @@ def _target(name: str, config: ModelConfig, params: dict[str, torch.Tensor]) -> 
             target = f"{prefix}.gate_up_proj.{kind}"
             if target in params:
                 half = params[target].shape[0] // 2
-                return target, (slice(0, half) if proj == "gate_proj" else slice(half, 2 * half),)
+                return target, (slice(0, half) if proj == "gate_proj" else slice(half, 2 * half),), None
         else:
             target = f"{prefix}.fused_qkv_a_proj.{kind}"
             if target in params:
                 kv_rows = config.kv_cache_dim
                 q_rows = params[target].shape[0] - kv_rows
                 part = slice(q_rows, q_rows + kv_rows) if proj == "kv_a_proj_with_mqa" else slice(0, q_rows)
-                return target, (part,)
-    return name, ()
+                return target, (part,), None
+    return name, (), None
 
 
 def _zero_unbiased_query_rows(
@@ -160,11 +176,13 @@ def load_weights(model: DeepseekForCausalLM, files: list[Path]) -> None:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if _IGNORED.search(key):
                     continue
-                pname, index = _target(key, config, params)
+                pname, index, arrange = _target(key, config, params)
                 if pname not in params:
                     raise CheckpointError(f"checkpoint tensor {key!r} has no place in the model ({f.name})")
                 dst = params[pname][index] if index else params[pname]
                 src = handle.get_tensor(key)
+                if arrange is not None and src.numel() == dst.numel():
+                    src = arrange(src)
                 if tuple(src.shape) != tuple(dst.shape):
                     raise CheckpointError(f"{key!r}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
                 dst.copy_(src)

@@ -27,6 +27,8 @@ def test_sets_are_cut_at_max_and_include_it():
     assert batch_size_set("3,7,12", 10) == [3, 7, 10]
 
 
+# A fixed small pool: parallel test workers share the GPU, so no test may size its pool from
+# free memory.
 PROMPTS = [[1, 17, 42, 99, 7], [1, *range(30, 70)], [1, 200], [1, 5, 5, 9, 250, 251]]
 
 
@@ -35,7 +37,7 @@ PROMPTS = [[1, 17, 42, 99, 7], [1, *range(30, 70)], [1, 200], [1, 5, 5, 9, 250, 
 def test_graph_replay_matches_eager_logits(v3_checkpoint, kv):
     """A padded graph replay gives the logits an eager forward of the same decode batch gives."""
     llm = LLM(str(v3_checkpoint), dtype="bfloat16", device="cuda", kv_cache_dtype=kv, max_model_len=256,
-              cuda_graph_bs="1,2,3,8", disable_overlap_schedule=True)  # fmt: skip
+              cuda_graph_bs="1,2,3,8", disable_overlap_schedule=True, num_kv_pages=256)  # fmt: skip
     core = llm.core
     assert core.describe()["cuda_graphs"] == 4
     for i, p in enumerate(PROMPTS):
@@ -62,7 +64,7 @@ def test_graph_replay_matches_eager_logits(v3_checkpoint, kv):
 @pytest.mark.gpu
 def test_generation_with_graphs_finishes_and_frees_pages(v3_checkpoint):
     llm = LLM(str(v3_checkpoint), device="cuda", max_model_len=256, cuda_graph_bs="x2", cuda_graph_max_bs=16,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, num_kv_pages=256)  # fmt: skip
     outs = llm.generate(PROMPTS * 3, SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True))
     assert all(len(o.token_ids) == 20 for o in outs)
     again = llm.generate(PROMPTS * 3, SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True))

@@ -39,6 +39,14 @@ def test_per_expert_weights_land_in_stacked_tensors(checkpoints):
         assert torch.equal(experts.w13_weight[e, :inter], raw[f"{p}.gate_proj.weight"])
         assert torch.equal(experts.w13_weight[e, inter:], raw[f"{p}.up_proj.weight"])
         assert torch.equal(experts.w2_weight[e], raw[f"{p}.down_proj.weight"])
+    # The shared MLP (width S * I) is stored as S more experts after the E routed ones.
+    e, s = experts.num_routed, experts.num_shared
+    p = "model.layers.1.mlp.shared_experts"
+    for j in range(s):
+        rows = slice(j * inter, (j + 1) * inter)
+        assert torch.equal(experts.w13_weight[e + j, :inter], raw[f"{p}.gate_proj.weight"][rows])
+        assert torch.equal(experts.w13_weight[e + j, inter:], raw[f"{p}.up_proj.weight"][rows])
+        assert torch.equal(experts.w2_weight[e + j], raw[f"{p}.down_proj.weight"][:, rows])
     bias = model.model.layers[2].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32 and torch.equal(bias, raw["model.layers.2.mlp.gate.e_score_correction_bias"])
 

@@ -117,14 +117,22 @@ def check_extend(seq_lens, query_lens, heads, rank, rope, page_size, q_dtype, kv
     assert rel_err(got, want) < TOL[q_dtype]
 
 
-def check_varlen(query_lens, kv_lens, heads, dq, dv, dtype, gen):
+def check_varlen(query_lens, kv_lens, heads, dq, dv, dtype, gen, rope=0):
+    """Triton vs reference; with `rope`, keys come as per-head k plus one shared rotary part."""
     q = torch.randn(sum(query_lens), heads, dq, generator=gen).to(device=DEVICE, dtype=dtype)
     # k and v as slices of one wider tensor, like the model's split of kv_b_proj's output.
     kv = torch.randn(sum(kv_lens), heads, dq + dv + 8, generator=gen).to(device=DEVICE, dtype=dtype)
-    k, v = kv[..., :dq], kv[..., dq + 8 :]
+    k, v = kv[..., : dq - rope], kv[..., dq + 8 :]
+    k_rope = torch.randn(sum(kv_lens), rope + 3, generator=gen).to(device=DEVICE, dtype=dtype)[:, 3:] if rope else None
     args = (q, k, v, cumsum0(query_lens), cumsum0(kv_lens), max(query_lens), max(kv_lens), dq**-0.5)
-    want = ref.varlen_attention(*args)
-    got = varlen_attention(*args)
+    want = ref.varlen_attention(*args, k_rope=k_rope)
+    if rope:  # the shared part really is each head's last key columns
+        joined = torch.cat((k, k_rope[:, None, :].expand(-1, heads, -1)), dim=-1)
+        assert torch.equal(ref.varlen_attention(q, joined, *args[2:]), want)
+    # Written into a slice of a wider buffer, as the model writes extend rows after decode rows.
+    buffer = torch.full((sum(query_lens) + 2, heads, dv), float("nan"), device=DEVICE, dtype=dtype)
+    got = varlen_attention(*args, k_rope=k_rope, out=buffer[2:])
+    assert got.data_ptr() == buffer[2:].data_ptr() and buffer[:2].isnan().all()
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert rel_err(got, want) < TOL[dtype]
 
@@ -156,12 +164,15 @@ def test_mla_extend_matches_reference(page_size, kv_dtype, num_splits, poisoned)
 
 
 @pytest.mark.parametrize(
-    ("dq", "dv", "dtype"), [(24, 16, torch.float32), (24, 16, torch.bfloat16), (10, 7, torch.float32), (192, 128, torch.float32)]
+    ("dq", "dv", "dtype", "rope"),
+    [(24, 16, torch.float32, 0), (24, 16, torch.bfloat16, 8), (10, 7, torch.float32, 0), (192, 128, torch.float32, 64),
+     (24, 16, torch.float32, 5)],
 )
-def test_varlen_attention_matches_reference(dq, dv, dtype, poisoned):
+def test_varlen_attention_matches_reference(dq, dv, dtype, rope, poisoned):
     # A fresh prompt, prompts after a prefix, a one-token query, and kv shorter than a tile.
+    # rope=5 does not split on the kernel's power-of-two boundary, so the keys are joined first.
     gen = torch.Generator().manual_seed(dq + dv)
-    check_varlen([20, 7, 1, 5], [20, 40, 18, 5], 2, dq, dv, dtype, gen)
+    check_varlen([20, 7, 1, 5], [20, 40, 18, 5], 2, dq, dv, dtype, gen, rope)
 
 
 @pytest.mark.parametrize(("page_size", "kv_dtype"), [(1, torch.bfloat16), (16, FP8), (64, torch.float32)])
@@ -227,10 +238,12 @@ def test_gpu_mla_extend_real_shapes(heads, page_size, kv_dtype, poisoned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("dq", "dv", "heads"), [(192, 128, 16), (192, 128, 128), (24, 16, 4), (64, 64, 8)])
-def test_gpu_varlen_attention_real_shapes(dq, dv, heads, poisoned):
+@pytest.mark.parametrize(
+    ("dq", "dv", "heads", "rope"), [(192, 128, 16, 64), (192, 128, 128, 64), (192, 128, 16, 0), (24, 16, 4, 0), (64, 64, 8, 0)]
+)
+def test_gpu_varlen_attention_real_shapes(dq, dv, heads, rope, poisoned):
     gen = torch.Generator().manual_seed(dq)
-    check_varlen([1024, 300, 1, 77], [1024, 2348, 900, 77], heads, dq, dv, torch.bfloat16, gen)
+    check_varlen([1024, 300, 1, 77], [1024, 2348, 900, 77], heads, dq, dv, torch.bfloat16, gen, rope)
 
 
 @pytest.mark.gpu

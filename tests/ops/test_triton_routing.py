@@ -46,16 +46,21 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def check(experts: int, kwargs: dict, tokens: int, seed: int, logits_dtype=torch.float32) -> None:
+def check(experts: int, kwargs: dict, tokens: int, seed: int, logits_dtype=torch.float32, num_shared: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(tokens, experts, generator=gen) * 2).to(DEVICE, logits_dtype)
     bias = None
     if kwargs["topk_method"] == "noaux_tc":
         bias = (torch.randn(experts, generator=gen) * 0.5).to(DEVICE)
-    weights, ids = select_experts(logits, correction_bias=bias, **kwargs)
-    want_w, want_ids = ref.select_experts(logits, correction_bias=bias, **kwargs)
+    weights, ids = select_experts(logits, correction_bias=bias, num_shared=num_shared, **kwargs)
+    want_w, want_ids = ref.select_experts(logits, correction_bias=bias, num_shared=num_shared, **kwargs)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    assert weights.shape == ids.shape == (tokens, kwargs["top_k"])
+    assert weights.shape == ids.shape == (tokens, kwargs["top_k"] + num_shared)
+    if num_shared:  # the shared experts come last, at weight 1, after the routed ones
+        shared = torch.arange(experts, experts + num_shared, device=ids.device)
+        assert torch.equal(ids[:, kwargs["top_k"] :].long(), shared.expand(tokens, -1))
+        assert torch.equal(weights[:, kwargs["top_k"] :], torch.ones(tokens, num_shared, device=ids.device))
+        assert (ids[:, : kwargs["top_k"]] < experts).all()
     # Order within a row may differ: compare experts as sorted sets, weights in the same order.
     got_ids, got_order = ids.long().sort(dim=1)
     ref_ids, ref_order = want_ids.sort(dim=1)
@@ -68,6 +73,12 @@ def check(experts: int, kwargs: dict, tokens: int, seed: int, logits_dtype=torch
 def test_select_experts_matches_reference(variant, tokens, poisoned):
     experts, kwargs = VARIANTS[variant]
     check(experts, kwargs, tokens, seed=tokens)
+
+
+@pytest.mark.parametrize(("variant", "num_shared"), [("v2-lite", 2), ("v3", 1), ("v2-norm", 3)])
+def test_select_experts_appends_shared_experts(variant, num_shared, poisoned):
+    experts, kwargs = VARIANTS[variant]
+    check(experts, kwargs, 5, seed=7, num_shared=num_shared)
 
 
 def test_select_experts_bf16_logits_and_empty_batch(poisoned):
@@ -95,6 +106,7 @@ def test_select_experts_rejects_bad_arguments():
 def test_gpu_select_experts_real_shapes(variant, tokens, poisoned):
     experts, kwargs = REAL[variant]
     check(experts, kwargs, tokens, seed=tokens)
+    check(experts, kwargs, tokens, seed=tokens, num_shared=2)
 
 
 @pytest.mark.gpu

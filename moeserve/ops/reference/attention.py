@@ -126,14 +126,21 @@ def varlen_attention(
     max_query_len: int,
     max_kv_len: int,
     scale: float,
+    k_rope: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-head causal attention over packed variable-length sequences.
 
     Sequence i's queries are rows cu_seqlens_q[i]:[i+1] of `q`, its keys/values rows
     cu_seqlens_k[i]:[i+1] of `k`/`v`; the queries are the last positions of the sequence, so the
-    causal mask is aligned bottom-right.
+    causal mask is aligned bottom-right. With `k_rope` [S, R], `k` holds each head's first
+    Dq - R key dims and `k_rope` the last R, shared by every head (MLA's rotary key). The result
+    is written into `out` when given.
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if k_rope is not None:
+        k = torch.cat((k, k_rope[:, None, :].expand(-1, k.shape[1], -1)), dim=-1)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(qs) - 1):
         q_len, kv_len = qs[i + 1] - qs[i], ks[i + 1] - ks[i]

@@ -30,11 +30,14 @@ def select_experts(
     routed_scaling_factor: float,
     correction_bias: torch.Tensor | None,
     scale_after_norm: bool,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick `top_k` experts per token and their weights -> (weights fp32 [T, k], ids int64 [T, k]).
+    """Pick `top_k` experts per token and their weights -> (weights fp32 [T, k + S], ids int64 [T, k + S]).
 
     DeepSeek-V2 (`scale_after_norm=False`): weights are either renormalised or scaled by
     `routed_scaling_factor`. DeepSeek-V3 (`True`): renormalised if asked, then always scaled.
+    With `num_shared` S, every token also gets experts E .. E + S - 1 (the shared experts,
+    stored after the E routed ones) at weight 1, so one fused MoE call computes both.
     """
     logits = router_logits.float()
     scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
@@ -51,6 +54,11 @@ def select_experts(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scale_after_norm or not normalise:
         weights = weights * routed_scaling_factor
+    if num_shared:
+        tokens, experts = logits.shape
+        shared = torch.arange(experts, experts + num_shared, device=ids.device).expand(tokens, -1)
+        ids = torch.cat((ids, shared), dim=1)
+        weights = torch.cat((weights, weights.new_ones(tokens, num_shared)), dim=1)
     return weights, ids
 
 

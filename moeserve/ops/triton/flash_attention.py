@@ -21,7 +21,7 @@ _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float3
 
 @triton.jit
 def _scores(
-    q1, q2, k_rows, offs_d1, offs_d2, n_ok,
+    q1, q2, k_rows, k2_rows, offs_d1, offs_d2, n_ok,
     DQ: tl.constexpr, SPLIT_D: tl.constexpr, MASKED: tl.constexpr, COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -35,15 +35,15 @@ def _scores(
         k_mask = offs_d2[None, :] < DQ
         if MASKED:
             k_mask = k_mask & n_ok[:, None]
-        k2 = tl.load(k_rows[:, None] + offs_d2[None, :], mask=k_mask, other=0.0).to(COMPUTE)
+        k2 = tl.load(k2_rows[:, None] + offs_d2[None, :], mask=k_mask, other=0.0).to(COMPUTE)
         s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=PRECISION)
     return s
 
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q1, q2, k_base, v_base, lo, hi, q_pos, offs_d1, offs_d2, offs_v,
-    stride_kt, stride_vt, qk_scale,
+    acc, m_i, l_i, q1, q2, k_base, k2_base, v_base, lo, hi, q_pos, offs_d1, offs_d2, offs_v,
+    stride_kt, stride_k2t, stride_vt, qk_scale,
     DQ: tl.constexpr, DV: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -52,7 +52,8 @@ def _attend(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         k_rows = k_base + offs_n.to(tl.int64) * stride_kt
-        s = _scores(q1, q2, k_rows, offs_d1, offs_d2, n_ok, DQ, SPLIT_D, MASKED, COMPUTE, PRECISION)
+        k2_rows = k2_base + offs_n.to(tl.int64) * stride_k2t
+        s = _scores(q1, q2, k_rows, k2_rows, offs_d1, offs_d2, n_ok, DQ, SPLIT_D, MASKED, COMPUTE, PRECISION)
         s = s * qk_scale
         if MASKED:
             s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
@@ -74,9 +75,9 @@ def _attend(
 
 @triton.jit
 def _varlen_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    num_m_blocks, qk_scale,
+    q_ptr, k_ptr, k2_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_k2t, stride_k2h, stride_vt, stride_vh, stride_ot, stride_oh,
+    num_m_blocks, qk_scale, K2_SHIFT: tl.constexpr,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     SPLIT_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
@@ -108,18 +109,21 @@ def _varlen_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + k_start.to(tl.int64) * stride_kt + head * stride_kh
+    # The second head-dim part may live in its own tensor (MLA's rotary key, shared by all heads):
+    # shifting its base lets both parts use the same column offsets.
+    k2_base = k2_ptr + k_start.to(tl.int64) * stride_k2t + head * stride_k2h - K2_SHIFT
     v_base = v_ptr + k_start.to(tl.int64) * stride_vt + head * stride_vh
     # Keys up to the block's first query position are visible to all its rows: whole tiles of
     # them run unmasked; the rest, up to the last row's position, run masked.
     hi = tl.minimum(kv_len, tl.maximum((m_block + 1) * BLOCK_M + kv_len - q_len, 0))
     mid = tl.minimum(tl.maximum(m_block * BLOCK_M + kv_len - q_len + 1, 0) // BLOCK_N * BLOCK_N, hi)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, k_base, v_base, 0, mid, q_pos, offs_d1, offs_d2, offs_v,
-        stride_kt, stride_vt, qk_scale, DQ, DV, SPLIT_D, BLOCK_N, False, COMPUTE, PRECISION,
+        acc, m_i, l_i, q1, q2, k_base, k2_base, v_base, 0, mid, q_pos, offs_d1, offs_d2, offs_v,
+        stride_kt, stride_k2t, stride_vt, qk_scale, DQ, DV, SPLIT_D, BLOCK_N, False, COMPUTE, PRECISION,
     )
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, k_base, v_base, mid, hi, q_pos, offs_d1, offs_d2, offs_v,
-        stride_kt, stride_vt, qk_scale, DQ, DV, SPLIT_D, BLOCK_N, True, COMPUTE, PRECISION,
+        acc, m_i, l_i, q1, q2, k_base, k2_base, v_base, mid, hi, q_pos, offs_d1, offs_d2, offs_v,
+        stride_kt, stride_k2t, stride_vt, qk_scale, DQ, DV, SPLIT_D, BLOCK_N, True, COMPUTE, PRECISION,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_rows = out_ptr + (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
@@ -145,6 +149,21 @@ def _tiles(dq: int, dv: int, dtype: torch.dtype, device: torch.device) -> tuple[
     return 64, 64, 8, 2  # up to 256 + 256
 
 
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor | None, cu_q: torch.Tensor,
+           cu_k: torch.Tensor) -> None:
+    """Clear errors for shapes the kernel cannot take."""
+    key_dim = q.shape[-1] - (0 if k_rope is None else k_rope.shape[-1])
+    if q.dim() != 3 or k.shape[1:] != (q.shape[1], key_dim) or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
+            f"[T, H, Dq], [S, H, {key_dim}], [S, H, Dv]"
+        )
+    if k_rope is not None and (k_rope.dim() != 2 or k_rope.shape[0] != k.shape[0]):
+        raise ValueError(f"varlen_attention: k_rope {tuple(k_rope.shape)} is not [{k.shape[0]}, R]")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError("varlen_attention: cu_seqlens_q and cu_seqlens_k must both be [B + 1]")
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,32 +173,37 @@ def varlen_attention(
     max_query_len: int,
     max_kv_len: int,
     scale: float,
+    k_rope: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (bottom-right aligned) attention over packed variable-length sequences -> [T, H, Dv]."""
-    if q.dim() != 3 or k.shape[1:] != q.shape[1:] or v.shape[:2] != k.shape[:2]:
-        raise ValueError(
-            f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
-            "[T, H, Dq], [S, H, Dq], [S, H, Dv]"
-        )
+    _check(q, k, v, k_rope, cu_seqlens_q, cu_seqlens_k)
+    tokens, heads, dq = q.shape
+    d1, d2 = head_dim_parts(dq)
+    if k_rope is not None and k.shape[-1] != d1:
+        # The kernel's first head-dim part must be exactly k's own columns; otherwise join them.
+        k, k_rope = torch.cat((k, k_rope[:, None, :].expand(-1, heads, -1)), dim=-1), None
     # Rows may be strided (v is a slice of kv_b_proj's output); only the head dim must be contiguous.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError("varlen_attention: cu_seqlens_q and cu_seqlens_k must both be [B + 1]")
-    tokens, heads, dq = q.shape
+    if k_rope is not None and k_rope.stride(-1) != 1:
+        k_rope = k_rope.contiguous()
     dv = v.shape[-1]
-    out = q.new_empty(tokens, heads, dv)
+    if out is None:
+        out = q.new_empty(tokens, heads, dv)
+    elif out.shape != (tokens, heads, dv) or out.stride(-1) != 1:
+        raise ValueError(f"varlen_attention: out must be [{tokens}, {heads}, {dv}] with a contiguous head dim")
     batch = cu_seqlens_q.shape[0] - 1
     if tokens == 0 or batch <= 0 or max_query_len <= 0:
         return out
     block_m, block_n, warps, stages = _tiles(dq, dv, q.dtype, q.device)
-    d1, d2 = head_dim_parts(dq)
     # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
     compute = _COMPUTE[q.dtype] if q.is_cuda else tl.float32
     num_m_blocks = triton.cdiv(max_query_len, block_m)
+    k2, k2_strides, shift = (k, (k.stride(0), k.stride(1)), 0) if k_rope is None else (k_rope, (k_rope.stride(0), 0), d1)
     _varlen_kernel[(num_m_blocks, heads, batch)](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        num_m_blocks, scale * LOG2E,
+        q, k, k2, v, out, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *k2_strides, v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), num_m_blocks, scale * LOG2E, K2_SHIFT=shift,
         DQ=dq, DV=dv, BLOCK_D1=d1, BLOCK_D2=max(d2, 16), SPLIT_D=d2 > 0,
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
         COMPUTE=compute, PRECISION="ieee" if compute == tl.float32 else "tf32",

@@ -43,8 +43,8 @@ def _routing_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt, routed_scaling_factor,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2_SUM: tl.constexpr, MASK_FILL: tl.constexpr,
-    NORMALISE: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
-    K_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    NORMALISE: tl.constexpr, SCALE: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
 ):
     """Top-k experts and their weights for BLOCK_T tokens, following the reference's rules."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -77,8 +77,14 @@ def _routing_kernel(
         top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
     if SCALE:
         top_w = top_w * routed_scaling_factor
-    out = rows[:, None] * TOP_K + kcols[None, :]
-    mask = (rows[:, None] < num_tokens) & (kcols[None, :] < TOP_K)
+    if NUM_SHARED > 0:
+        # Always-on shared experts after the routed ones, stored as experts E .. E + S - 1.
+        shared = (kcols >= TOP_K)[None, :]
+        top_w = tl.where(shared, 1.0, top_w)
+        top_i = tl.where(shared, (NUM_EXPERTS - TOP_K + kcols)[None, :], top_i)
+    width: tl.constexpr = TOP_K + NUM_SHARED
+    out = rows[:, None] * width + kcols[None, :]
+    mask = (rows[:, None] < num_tokens) & (kcols[None, :] < width)
     tl.store(weights_ptr + out, top_w, mask=mask)
     tl.store(ids_ptr + out, top_i, mask=mask)
 
@@ -113,13 +119,16 @@ def select_experts(
     routed_scaling_factor: float,
     correction_bias: torch.Tensor | None,
     scale_after_norm: bool,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick `top_k` experts per token and their weights -> (weights fp32 [T, k], ids int32 [T, k])."""
+    """Pick `top_k` experts per token and their weights -> (weights fp32 [T, k + S], ids int32 [T, k + S])."""
     _check(router_logits, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias)
+    if num_shared < 0:
+        raise ValueError(f"num_shared must be >= 0, got {num_shared}")
     tokens, experts = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
     if tokens == 0:
         return weights, ids
     grouped = topk_method != "greedy" and n_group > 1
@@ -134,8 +143,8 @@ def select_experts(
         TOP2_SUM=topk_method == "noaux_tc" and experts // max(n_group, 1) >= 2,
         # V2 masks with 0 (softmax scores are positive); a biased sigmoid score may be negative.
         MASK_FILL=float("-inf") if topk_method == "noaux_tc" else 0.0,
-        NORMALISE=normalise, SCALE=scale_after_norm or not normalise, BLOCK_T=block_t, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(top_k), G_PAD=triton.next_power_of_2(max(n_group, 1)),
+        NORMALISE=normalise, SCALE=scale_after_norm or not normalise, NUM_SHARED=num_shared, BLOCK_T=block_t,
+        E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k + num_shared), G_PAD=triton.next_power_of_2(max(n_group, 1)),
         num_warps=max(1, min(4, block_t * e_pad // 256)),
     )
     return weights, ids
