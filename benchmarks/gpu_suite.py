@@ -47,6 +47,7 @@ def latency_part(model: str, read_gbs: float, out: list, kw: dict) -> None:
         fields = latency.measure(core, bs, 1024, 256, 0, True, read_gbs)
         out.append(record(name, "cuda", **fields, engine=desc))
         print(name, {k: fields[k] for k in ("out_tok_s", "ttft_s", "median_decode_step_ms", "floor_ratio") if k in fields}, flush=True)
+        print(f"  {fields['prefill_steps']} prefill steps (ms): {fields['prefill_step_ms'][:40]}", flush=True)
 
 
 def offline_part(model: str, out: list, kw: dict) -> None:

@@ -28,7 +28,7 @@ def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
-    started, first_tokens, decode_ms, generated = time.perf_counter(), set(), [], 0
+    started, first_tokens, decode_ms, prefill_ms, generated = time.perf_counter(), set(), [], [], 0
     ttft = None
     while core.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -39,10 +39,12 @@ def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict
         first_tokens.update(o.request_id for o in outs)
         if was_decoding:
             decode_ms.append(elapsed * 1000)
-        elif len(first_tokens) == len(prompts):
-            ttft = time.perf_counter() - started
+        else:
+            prefill_ms.append(elapsed * 1000)
+            if len(first_tokens) == len(prompts):
+                ttft = time.perf_counter() - started
     seconds = time.perf_counter() - started
-    return {"ttft_s": ttft, "decode_ms": decode_ms, "seconds": seconds, "generated": generated}
+    return {"ttft_s": ttft, "decode_ms": decode_ms, "prefill_ms": prefill_ms, "seconds": seconds, "generated": generated}
 
 
 def decode_floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
@@ -83,6 +85,9 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
         out_tok_s=round(res["generated"] / res["seconds"], 1),
         ttft_s=round(res["ttft_s"], 4),
         median_decode_step_ms=round(step_ms, 3) if step_ms else None,
+        # Steps until every request has its first token (prefill chunks, with decodes mixed in).
+        prefill_steps=len(res["prefill_ms"]),
+        prefill_step_ms=[round(ms, 1) for ms in res["prefill_ms"]],
         decode_tok_s=round(batch_size * 1000 / step_ms, 1) if step_ms else None,
     )
     if analyze_floor and step_ms:

@@ -15,6 +15,17 @@ from moeserve.config.model_config import ModelConfig
 FUSED_SHARED_MAX_TOKENS = 32
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T in float32, as the reference models compute it.
+
+    Products of two bf16 (or fp16) values are exact in float32, so a half-precision GEMM that
+    accumulates and writes float32 gives the reference's result without casting either operand.
+    """
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
 class Router(nn.Module):
     """Scores experts per token (in float32, as the reference models do) and picks the top-k."""
 
@@ -34,9 +45,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights fp32 [T, k + S], expert ids [T, k + S]); the S shared experts come last."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())  # no copy: the loader keeps it float32
         return ops.select_experts(
-            logits,
+            router_logits(x, self.weight),
             top_k=c.num_experts_per_tok,
             topk_method=c.topk_method,
             scoring_func=c.scoring_func,

@@ -77,14 +77,11 @@ def build_model(config: ModelConfig, num_mtp_layers: int, dtype: torch.dtype, de
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, num_mtp_layers).to(dtype)
     for module in model.modules():
-        # Routing runs in float32 like the reference models; storing the router (and the
-        # correction bias) in float32 saves a cast of the weight on every call.
-        if isinstance(module, Router):
-            module.weight = torch.nn.Parameter(module.weight.float(), requires_grad=False)
-            if module.e_score_correction_bias is not None:
-                module.e_score_correction_bias = torch.nn.Parameter(
-                    module.e_score_correction_bias.float(), requires_grad=False
-                )
+        # The routing correction bias is float32 in checkpoints and is added to float32 scores.
+        if isinstance(module, Router) and module.e_score_correction_bias is not None:
+            module.e_score_correction_bias = torch.nn.Parameter(
+                module.e_score_correction_bias.float(), requires_grad=False
+            )
     return model.to_empty(device=device).requires_grad_(False).eval()
 
 

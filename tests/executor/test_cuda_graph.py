@@ -37,7 +37,8 @@ PROMPTS = [[1, 17, 42, 99, 7], [1, *range(30, 70)], [1, 200], [1, 5, 5, 9, 250, 
 def test_graph_replay_matches_eager_logits(v3_checkpoint, kv):
     """A padded graph replay gives the logits an eager forward of the same decode batch gives."""
     llm = LLM(str(v3_checkpoint), dtype="bfloat16", device="cuda", kv_cache_dtype=kv, max_model_len=256,
-              cuda_graph_bs="1,2,3,8", disable_overlap_schedule=True, num_kv_pages=256)  # fmt: skip
+              cuda_graph_bs="1,2,3,8", cuda_graph_max_bs=8, disable_overlap_schedule=True,
+              num_kv_pages=256)  # fmt: skip
     core = llm.core
     assert core.describe()["cuda_graphs"] == 4
     for i, p in enumerate(PROMPTS):

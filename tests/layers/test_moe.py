@@ -48,3 +48,15 @@ def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, varia
         separate = layer(x)
     torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(separate, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_router_logits_in_half_precision_match_float32():
+    """bf16 operands, float32 accumulation and output: the reference's float32 product."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 2048, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(64, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
+    got = moe.router_logits(x, w)
+    want = x.float() @ w.float().t()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

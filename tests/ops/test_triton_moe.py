@@ -63,13 +63,15 @@ def routing(tokens: int, experts: int, topk: int, pattern: str, gen: torch.Gener
 
 def make_case(tokens, experts, hidden, inter, topk, dtype, pattern, seed, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    # Weights are drawn where they live, in their dtype: V3-sized experts are 11 GB in bf16, and
+    # an fp32 host copy per parallel test worker would exhaust the host's memory.
+    wgen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=wgen, device=device, dtype=dtype)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=wgen, device=device, dtype=dtype).mul_(hidden**-0.5)
+    w2 = torch.randn(experts, hidden, inter, generator=wgen, device=device, dtype=dtype).mul_(inter**-0.5)
     weights = torch.rand(tokens, topk, generator=gen)
     ids = routing(tokens, experts, topk, pattern, gen)
-    on = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)  # noqa: E731
-    return on(x), on(w13), on(w2), weights.to(device), ids.to(device)
+    return x, w13, w2, weights.to(device), ids.to(device)
 
 
 def check_align(ids: torch.Tensor, experts: int, block_m: int) -> None:
