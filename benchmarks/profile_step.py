@@ -1,6 +1,6 @@
 """Where a decode step's time goes: CUDA kernel times of replayed decode graphs and of a prefill.
 
-    python benchmarks/profile_step.py --model DIR_OR_CONFIG [--load-format dummy] [--batch-sizes 1,8,64]
+python benchmarks/profile_step.py --model DIR_OR_CONFIG [--load-format dummy] [--batch-sizes 1,8,64]
 """
 
 from __future__ import annotations
@@ -63,17 +63,54 @@ def _cpu_profile(core: EngineCore, input_len: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def _time_graph_replay(core: EngineCore, bs: int) -> None:
+    """GPU time of one replay of the decode graph for `bs` (CUDA events), beside the step's wall."""
+    graphs = core.runner.graphs
+    size = graphs.padded_size(bs) if graphs is not None else None
+    if size is None:
+        return
+    graph = graphs.graphs[size]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"== decode b{bs}: graph b{size} replay {start.elapsed_time(end) / 20:.3f} ms on the GPU")
+
+
+def _time_steps(core: EngineCore, bs: int, steps: int = 10) -> None:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    print(f"== decode b{bs}: {(time.perf_counter() - t0) * 1000 / steps:.3f} ms wall per engine step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--disable-cuda-graph", action="store_true", help="eager decode: the profiler sees its kernels")
-    ap.add_argument("--cpu-profile", action="store_true", help="also cProfile the host side of a batch-1 prefill")
+    ap.add_argument(
+        "--disable-cuda-graph", action="store_true", help="eager decode: the profiler sees its kernels"
+    )
+    ap.add_argument(
+        "--cpu-profile", action="store_true", help="also cProfile the host side of a batch-1 prefill"
+    )
     a = ap.parse_args()
-    core = EngineCore(EngineConfig(model=a.model, load_format=a.load_format, max_model_len=4096, cuda_graph_max_bs=256,
-                                   disable_cuda_graph=a.disable_cuda_graph))
+    core = EngineCore(
+        EngineConfig(
+            model=a.model,
+            load_format=a.load_format,
+            max_model_len=4096,
+            cuda_graph_max_bs=256,
+            disable_cuda_graph=a.disable_cuda_graph,
+        )
+    )
     if a.cpu_profile:
         _cpu_profile(core, a.input_len)
     vocab = core.model_config.vocab_size
@@ -90,9 +127,15 @@ def main() -> None:
                 prefill_steps += 1
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-        table(prof, f"prefill b{bs} isl{a.input_len} ({prefill_steps} steps, {wall * 1000:.1f} ms wall, profiled)", 1)
+        table(
+            prof,
+            f"prefill b{bs} isl{a.input_len} ({prefill_steps} steps, {wall * 1000:.1f} ms wall, profiled)",
+            1,
+        )
         for _ in range(5):
             core.step()
+        _time_steps(core, bs)
+        _time_graph_replay(core, bs)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 core.step()

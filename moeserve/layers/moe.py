@@ -10,9 +10,11 @@ from moeserve import ops
 from moeserve.config.model_config import ModelConfig
 
 # Up to this many tokens the shared experts run inside the fused MoE kernels as extra experts:
-# at decode sizes that saves three launches a layer and streams their weights at the MoE
-# kernels' bandwidth. Past it, cuBLAS GEMMs on the same stacked weights are faster.
-FUSED_SHARED_MAX_TOKENS = 32
+# that saves three launches a layer and streams their weights at the MoE kernels' bandwidth.
+# Past it, cuBLAS GEMMs on the same stacked weights are faster (V2-Lite layer on H200, tuned
+# configs: fused 10 us faster at 1 token, 38 at 256, 80 at 384, 10 slower at 512;
+# benchmarks/kernels/check_moe_shared.py).
+FUSED_SHARED_MAX_TOKENS = 384
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

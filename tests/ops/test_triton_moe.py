@@ -183,6 +183,22 @@ def test_tuner_writes_a_loadable_file(tmp_path):
     assert moe_config.validate_config(configs[1], 1) is None
 
 
+def test_tuner_with_shared_experts_names_the_stacked_count(tmp_path):
+    from moeserve.ops.triton import tune_moe
+
+    path = tune_moe.main(["--experts", "4", "--shared", "2", "--hidden", "32", "--inter", "16", "--topk", "2",
+                          "--batch-sizes", "3", "--iters", "1", "--quick", "--max-candidates", "1",
+                          "--output", str(tmp_path), "--device", DEVICE])
+    assert path.name.startswith("E=6,")
+    raw = json.loads(path.read_text())
+    assert raw["_meta"]["shared"] == 2 and moe_config.validate_config(raw["3"], 3) is None
+    weights = tune_moe.make_weights(6, 32, 16, torch.float32, DEVICE)
+    ids = tune_moe.make_inputs(3, weights, 2, shared=2)["ids"]
+    # Routed picks are distinct and below the shared ones; every token ends with experts 4 and 5.
+    assert ids.shape == (3, 4) and bool((ids[:, :2] < 4).all()) and ids[:, 2:].tolist() == [[4, 5]] * 3
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+
+
 V2_LITE = (64, 2048, 1408, 6)
 V3_LIKE = (256, 7168, 2048, 8)
 

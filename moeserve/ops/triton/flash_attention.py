@@ -73,7 +73,7 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks"])  # varies by batch: no mid-serving recompiles
 def _varlen_kernel(
     q_ptr, k_ptr, k2_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_k2t, stride_k2h, stride_vt, stride_vh, stride_ot, stride_oh,

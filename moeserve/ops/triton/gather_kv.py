@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the block table's width varies by batch
 def _gather_kernel(
     kv_ptr, table_ptr, seq_lens_ptr, cu_ptr, out_ptr,
     stride_page, stride_slot, stride_table, stride_out, kv_scale,

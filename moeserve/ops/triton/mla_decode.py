@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_KEYS = 256  # shorter splits cost more in partial results than they add in parallelism
+# One tile per split is still worth it: at serving-length contexts (1-2K keys) a few programs
+# walking many tiles each are latency-bound (benchmarks/kernels/sweep_mla_short.py).
+MIN_SPLIT_KEYS = 32
 MAX_SPLITS = 512
 REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
 REDUCE_BLOCK_C = 64  # latent columns per reduce program
@@ -140,7 +142,9 @@ def _query_span(seq_lens_ptr, qstart_ptr, b, DECODE: tl.constexpr):
     return q_start, q_len, seq_len
 
 
-@triton.jit
+# Ints that change from batch to batch are not specialised (a value of 1 or a multiple of 16
+# would otherwise compile a new variant mid-serving, a second-long stall).
+@triton.jit(do_not_specialize=["stride_table", "num_q_blocks", "num_splits"])
 def _mla_split_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, qstart_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_page, stride_slot, stride_table, stride_ot, stride_oh,
@@ -201,7 +205,7 @@ def _mla_split_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, qstart_ptr, out_ptr, stride_ot, stride_oh, num_heads,
     num_splits, LATENT: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
@@ -346,7 +350,9 @@ def run_absorbed(
     return out
 
 
-def decode_tiles(num_heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> Tiles:
+def decode_tiles(
+    num_heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, batch: int = 1
+) -> Tiles:
     """Decode launch shape: one token per program, all heads of a group sharing each KV tile."""
     if device.type != "cuda":
         return Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1)
@@ -357,7 +363,11 @@ def decode_tiles(num_heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, de
         return Tiles(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1)
     if kv_dtype == torch.float8_e4m3fn:
         return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
-    return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=2)
+    # Measured at 1-2K keys (sweep_mla_short.py): 64-key tiles win from 33 to 128 queries (two
+    # splits each), four warps on 32-key tiles everywhere else; one program per SM sets the splits.
+    if 32 < batch <= 128:
+        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1)
+    return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=1)
 
 
 def mla_decode(
@@ -378,7 +388,7 @@ def mla_decode(
         raise ValueError(
             f"mla_decode: {batch} queries but {seq_lens.shape[0]} seq_lens and {block_table.shape[0]} block-table rows"
         )
-    tiles = tiles or decode_tiles(heads, q_latent.dtype, kv_cache.dtype, q_latent.device)
+    tiles = tiles or decode_tiles(heads, q_latent.dtype, kv_cache.dtype, q_latent.device, batch)
     if num_splits is None:
         programs = batch * triton.cdiv(heads, tiles.block_h)
         num_splits = num_splits_for(programs, block_table.shape[1] * kv_cache.shape[1], tiles, q_latent.device)

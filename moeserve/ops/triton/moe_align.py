@@ -18,7 +18,7 @@ MAX_CHUNKS = 64
 _FILL = 1024
 
 
-@triton.jit(do_not_specialize=["numel", "padded_len", "fill_per_program"])
+@triton.jit(do_not_specialize=["numel", "padded_len", "fill_per_program", "chunk"])
 def _count_kernel(
     ids_ptr, counts_ptr, sorted_ptr, numel, padded_len, fill_per_program, chunk,
     NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, FILL: tl.constexpr,
@@ -73,7 +73,7 @@ def _offsets_kernel(
         start += BLOCKS
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel", "chunk"])
 def _scatter_kernel(
     ids_ptr, offsets_ptr, sorted_ptr, numel, chunk,
     NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,

@@ -1,7 +1,7 @@
 """Tune the fused MoE kernels' block sizes for one MoE shape on this GPU and write the config JSON.
 
     python -m moeserve.ops.triton.tune_moe --experts 64 --hidden 2048 --inter 1408 --topk 6 \\
-        [--batch-sizes 1 8 64 ...] [--output DIR] [--quick]
+        [--shared 2] [--batch-sizes 1 8 64 ...] [--output DIR] [--quick]
 
 For each batch size it times every token grouping that suits the load (dense / sorted, gemv /
 swapAB / dot, BLOCK_M), and for each grouping tunes the gate/up and the down GEMM separately
@@ -172,24 +172,31 @@ def tune_grouping(grouping: Config, inputs: dict, search: dict, flush) -> tuple[
     return {**grouping, "up": up, "down": down}, times
 
 
-def make_inputs(tokens: int, weights: tuple[torch.Tensor, torch.Tensor], topk: int) -> dict:
-    """Random hidden states and a balanced random routing (distinct experts per token)."""
+def make_inputs(tokens: int, weights: tuple[torch.Tensor, torch.Tensor], topk: int, shared: int = 0) -> dict:
+    """Random hidden states and a balanced random routing (distinct experts per token).
+
+    With `shared` > 0 the last `shared` experts are the shared ones every token uses, appended
+    after its routed top-k as the model's fused path does.
+    """
     w13, w2 = weights
     experts, hidden_size = w13.shape[0], w13.shape[2]
     device, dtype = w13.device, w13.dtype
-    ids = torch.rand(tokens, experts, device=device).topk(topk, dim=1).indices.to(torch.int32)
+    ids = torch.rand(tokens, experts - shared, device=device).topk(topk, dim=1).indices.to(torch.int32)
+    if shared:
+        always = torch.arange(experts - shared, experts, device=device, dtype=torch.int32)
+        ids = torch.cat([ids, always.expand(tokens, shared)], dim=1)
     return {
         "hidden": torch.randn(tokens, hidden_size, device=device, dtype=dtype),
         "w13": w13, "w2": w2, "ids": ids,
-        "weights": torch.rand(tokens, topk, device=device, dtype=torch.float32),
+        "weights": torch.rand(tokens, ids.shape[1], device=device, dtype=torch.float32),
     }
 
 
-def tune_batch(tokens: int, weights: tuple, topk: int, search: dict, flush) -> tuple[Config, dict]:
+def tune_batch(tokens: int, weights: tuple, topk: int, search: dict, flush, shared: int = 0) -> tuple[Config, dict]:
     """The fastest config for one batch size and all candidates' timings."""
-    inputs = make_inputs(tokens, weights, topk)
+    inputs = make_inputs(tokens, weights, topk, shared)
     results = []
-    for grouping in candidate_groupings(tokens, weights[0].shape[0], topk, search["quick"]):
+    for grouping in candidate_groupings(tokens, weights[0].shape[0], topk + shared, search["quick"]):
         try:
             results.append(tune_grouping(grouping, inputs, search, flush))
         except Exception as exc:
@@ -210,22 +217,24 @@ def make_weights(experts: int, hidden: int, inter: int, dtype: torch.dtype, devi
 
 
 def tune(experts: int, hidden: int, inter: int, topk: int, batch_sizes: list[int], dtype: torch.dtype,
-         device: str = "cuda", iters: int = 20, quick: bool = False, max_candidates: int | None = None) -> dict:
-    """{"_meta": ..., "<tokens>": config} for every batch size."""
+         device: str = "cuda", iters: int = 20, quick: bool = False, max_candidates: int | None = None,
+         shared: int = 0) -> dict:
+    """{"_meta": ..., "<tokens>": config} for every batch size (`experts` routed + `shared`)."""
     search = {"iters": iters, "quick": quick, "max_candidates": max_candidates}
+    experts += shared  # the file is named by the stacked count, as the model's fused call sees it
     weights = make_weights(experts, hidden, inter, dtype, device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device == "cuda" else None
     result: dict = {}
     timings = {}
     for tokens in batch_sizes:
         start = time.perf_counter()
-        config, timings[tokens] = tune_batch(tokens, weights, topk, search, flush)
+        config, timings[tokens] = tune_batch(tokens, weights, topk, search, flush, shared)
         result[str(tokens)] = config
         best = timings[tokens]["best"]
         print(f"T={tokens:5d}  {best['total_us']:9.1f} us  {config['MODE']:4s} BLOCK_M={config['BLOCK_M']:3d} "
               f"dense={config['DENSE']!s:5s} up={best['up_us']:.1f} down={best['down_us']:.1f} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
-    meta = {"experts": experts, "hidden": hidden, "inter": inter, "topk": topk, "dtype": str(dtype),
+    meta = {"experts": experts, "shared": shared, "hidden": hidden, "inter": inter, "topk": topk, "dtype": str(dtype),
             "device": device_name(torch.device(device)), "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "timings": timings}
     return {"_meta": meta, **result}
@@ -248,6 +257,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--inter", type=int, required=True, help="moe_intermediate_size")
     parser.add_argument("--topk", type=int, required=True)
+    parser.add_argument("--shared", type=int, default=0, help="shared experts fused in as extra experts")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--output", type=Path, default=CONFIG_DIR)
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     configs = tune(args.experts, args.hidden, args.inter, args.topk, args.batch_sizes, dtype, args.device,
-                   args.iters, args.quick, args.max_candidates)
+                   args.iters, args.quick, args.max_candidates, args.shared)
     path = write_configs(configs, args.output, dtype)
     print(f"wrote {path}")
     return path

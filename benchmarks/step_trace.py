@@ -1,0 +1,74 @@
+"""Why a step is slow: Triton compiles and allocator retries logged against per-step wall times.
+
+    python benchmarks/step_trace.py --model DIR [--batch-size 256] [--min-ms 150]
+
+Runs `bench latency`'s warm-up and timed batch on the suite's engine settings, printing each step
+slower than --min-ms with the kernels Triton compiled and the allocator retries during it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton import knobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeserve import SamplingParams  # noqa: E402
+from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.config.engine_config import EngineConfig  # noqa: E402
+from moeserve.engine.engine import EngineCore  # noqa: E402
+
+compiles: list[str] = []
+
+
+def on_compile(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:  # noqa: A002
+    compiles.append(repr[:300])
+
+
+def run(core: EngineCore, bs: int, output_len: int, seed: int, min_ms: float, tag: str) -> None:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(bs, 1024, core.model_config.vocab_size, seed)):
+        core.add_request(f"{tag}-{i}", p, params)
+    step = 0
+    while core.has_unfinished_requests():
+        compiles.clear()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        t0 = time.perf_counter()
+        core.step()
+        ms = (time.perf_counter() - t0) * 1000
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+        if ms > min_ms or compiles or retries:
+            decodes = sum(1 for r in core.requests.values() if r.output_token_ids)
+            print(f"{tag} step {step}: {ms:.1f} ms, {decodes} decoding, {retries} alloc retries", flush=True)
+            for c in compiles:
+                print("   compiled", c, flush=True)
+        step += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--min-ms", type=float, default=150.0)
+    a = ap.parse_args()
+    core = EngineCore(
+        EngineConfig(
+            model=a.model,
+            max_model_len=4096,
+            mem_fraction_static=0.9,
+            max_num_seqs=1024,
+            cuda_graph_max_bs=1024,
+        )
+    )
+    knobs.runtime.jit_post_compile_hook = on_compile
+    run(core, a.batch_size, 4, 1, a.min_ms, "warmup")
+    run(core, a.batch_size, 256, 0, a.min_ms, "timed")
+
+
+if __name__ == "__main__":
+    main()
