@@ -63,6 +63,17 @@ def _cpu_profile(core: EngineCore, input_len: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def _cpu_profile_decode(core: EngineCore, bs: int, steps: int = 20) -> None:
+    """Host time of decode steps by function: a short wait in collect means the GPU idled."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    prof.disable()
+    print(f"== host profile of {steps} decode steps at b{bs}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def _time_graph_replay(core: EngineCore, bs: int) -> None:
     """GPU time of one replay of the decode graph for `bs` (CUDA events), beside the step's wall."""
     graphs = core.runner.graphs
@@ -136,6 +147,8 @@ def main() -> None:
             core.step()
         _time_steps(core, bs)
         _time_graph_replay(core, bs)
+        if a.cpu_profile:
+            _cpu_profile_decode(core, bs)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 core.step()

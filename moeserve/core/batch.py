@@ -86,6 +86,8 @@ class ForwardBatch:
     max_extend_len: int = 0
     max_extend_seq_len: int = 0
     extend_has_prefix: bool = False
+    # The decode CUDA graph this batch replays (input_ids then hold raw placeholders), or None.
+    graph_size: int | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -16,6 +16,8 @@ import torch
 
 from moeserve.cache.kv_cache import MLAKVCache
 from moeserve.core.batch import ForwardBatch
+from moeserve.executor.sampling_io import resolve_placeholders
+from moeserve.layers.sampler import argmax_rows
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -49,12 +51,15 @@ class CudaGraphRunner:
         sizes: list[int],
         max_pages_per_seq: int,
         device: torch.device,
+        future_tokens: torch.Tensor,
     ) -> None:
         self.model = model
+        self.future_tokens = future_tokens
         self.kv_cache = kv_cache
         self.sizes = sizes
         self.max_bs = sizes[-1]
         n = self.max_bs
+        # Raw ids: placeholders for last step's samples are resolved inside the graph.
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
@@ -64,6 +69,7 @@ class CudaGraphRunner:
         # One output buffer for every graph: per-graph outputs would cost sum(sizes) x vocab floats
         # (26 GB for the +8 set up to 1024), while temporaries are shared through the pool anyway.
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.greedy_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.memory_bytes = 0
         self.capture_seconds = 0.0
@@ -84,7 +90,10 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> None:
         fb = self._batch(bs)
-        self.logits[:bs].copy_(self.model.lm_head(self.model(fb.input_ids, fb.positions, fb)))
+        ids = resolve_placeholders(fb.input_ids, self.future_tokens)
+        self.logits[:bs].copy_(self.model.lm_head(self.model(ids, fb.positions, fb)))
+        # Greedy rows need nothing more: their tokens come out of the graph with the logits.
+        self.greedy_ids[:bs].copy_(argmax_rows(self.logits[:bs]))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -120,8 +129,8 @@ class CudaGraphRunner:
         i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [n, vocab] for an all-decode batch built by the model runner."""
+    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab], their row argmax [n]) for an all-decode batch with raw input ids."""
         n = fb.num_decodes
         bs = self.padded_size(n)
         assert bs is not None and n == len(fb.seq_lens)
@@ -139,4 +148,4 @@ class CudaGraphRunner:
             self.block_table[n:bs, 0].zero_()
             self.seq_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
-        return self.logits[:n]
+        return self.logits[:n], self.greedy_ids[:n]

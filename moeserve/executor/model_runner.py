@@ -16,7 +16,7 @@ from moeserve.core.batch import ForwardBatch, ScheduleBatch, ScheduledRequest
 from moeserve.core.outputs import SampledToken
 from moeserve.core.request import Request
 from moeserve.executor.cuda_graph import CudaGraphRunner, batch_size_set
-from moeserve.executor.sampling_io import ban_stop_tokens, sampling_batch, unpack
+from moeserve.executor.sampling_io import ban_stop_tokens, resolve_placeholders, sampling_batch, unpack
 from moeserve.layers.attention import use_mha_for_extend
 from moeserve.layers.sampler import SamplerOutput, sample
 from moeserve.models.deepseek import DeepseekForCausalLM
@@ -103,7 +103,7 @@ class ModelRunner:
         max_bs = self.engine.cuda_graph_max_bs or min(self.engine.max_num_seqs, 512)
         sizes = batch_size_set(self.engine.cuda_graph_bs, max_bs)
         max_pages = -(-max_model_len // self.page_size)
-        self.graphs = CudaGraphRunner(self.model, self.kv_cache, sizes, max_pages, self.device)
+        self.graphs = CudaGraphRunner(self.model, self.kv_cache, sizes, max_pages, self.device, self.future_tokens)
         self.graphs.capture()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -120,13 +120,18 @@ class ModelRunner:
     def _int32(self, values: list[int]) -> torch.Tensor:
         return self._to_device(np.asarray(values, dtype=np.int32))
 
-    def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
-        """Token ids on the device, placeholders replaced by the tokens the last step sampled."""
+    def _input_ids(self, ids: np.ndarray, resolve: bool) -> torch.Tensor:
+        """Token ids on the device; with `resolve`, placeholders replaced by last step's samples."""
         tokens = self._to_device(ids)
-        if (ids < 0).any():
-            future = self.future_tokens.view(-1)[(-tokens - 1).clamp(min=0)]
-            tokens = torch.where(tokens < 0, future, tokens)
+        if resolve and (ids < 0).any():
+            tokens = resolve_placeholders(tokens, self.future_tokens)
         return tokens
+
+    def _graph_size(self, num_decodes: int, count: int, samples: np.ndarray) -> int | None:
+        """The decode graph a batch replays: all rows decode and sample, and a size fits."""
+        if self.graphs is None or num_decodes != count or not samples.all():
+            return None
+        return self.graphs.padded_size(count)
 
     @staticmethod
     def _token_ids(items: list[ScheduledRequest]) -> np.ndarray:
@@ -167,8 +172,9 @@ class ModelRunner:
         query_lens = new.tolist()
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), count)
         seq_lens = starts + new
+        graph_size = self._graph_size(num_decodes, count, samples)
         fb = ForwardBatch(
-            input_ids=self._input_ids(self._token_ids(items)),
+            input_ids=self._input_ids(self._token_ids(items), resolve=graph_size is None),
             positions=self._to_device(positions),
             slot_mapping=self._to_device(slots),
             block_table=self._to_device(block_table),
@@ -178,6 +184,7 @@ class ModelRunner:
             num_decodes=num_decodes,
             logits_indices=self._to_device(ends[samples] - 1),
             kv_cache=self.kv_cache,
+            graph_size=graph_size,
         )
         if num_decodes < count:
             self._describe_extends(fb)
@@ -195,15 +202,15 @@ class ModelRunner:
         fb.max_extend_seq_len = max(ext_s)
         fb.extend_has_prefix = any(ext_p)
 
-    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits of the sampling rows, replaying a decode graph when one fits."""
-        all_decode = fb.num_decodes == len(fb.query_lens) == fb.logits_indices.numel()
-        if self.graphs is not None and all_decode and self.graphs.padded_size(fb.num_decodes) is not None:
-            self.last_padded_tokens = self.graphs.padded_size(fb.num_decodes) - fb.num_decodes
+    def _logits(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits of the sampling rows, their argmax when a decode graph computed it)."""
+        if fb.graph_size is not None:
+            assert self.graphs is not None
+            self.last_padded_tokens = fb.graph_size - fb.num_decodes
             return self.graphs.replay(fb)
         self.last_padded_tokens = 0
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        return self.model.compute_logits(hidden[fb.logits_indices])
+        return self.model.compute_logits(hidden[fb.logits_indices]), None
 
     @torch.inference_mode()
     def score(self, req: Request) -> torch.Tensor:
@@ -220,12 +227,13 @@ class ModelRunner:
         """
         items = batch.items  # the scheduler orders decodes first
         fb = self.prepare(items)
-        logits = self._logits(fb)
+        logits, greedy = self._logits(fb)
         rows = [it for it in items if it.samples]
         if not rows:
             return StepHandle(rows, None)
-        ban_stop_tokens(logits, rows)
-        out = sample(logits, sampling_batch(rows, self.config.vocab_size, self._to_device))
+        if ban_stop_tokens(logits, rows):
+            greedy = None  # the graph's argmax predates the bans
+        out = sample(logits, sampling_batch(rows, self.config.vocab_size, self._to_device), greedy)
         # Sampling rows were numbered 0..N-1 in this order when the step was committed.
         self.future_tokens[batch.parity, : len(rows)].copy_(out.token_ids)
         return StepHandle(rows, out.to_host())

@@ -44,8 +44,15 @@ def sampling_batch(
     )
 
 
-def ban_stop_tokens(logits: torch.Tensor, items: list[ScheduledRequest]) -> None:
-    """Until min_tokens are out, EOS and stop tokens cannot be sampled (as in vLLM)."""
+def resolve_placeholders(tokens: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids with each placeholder -1 - i replaced by entry i of the flat future-token buffer."""
+    picked = future_tokens.view(-1)[(-tokens - 1).clamp(min=0)]
+    return torch.where(tokens < 0, picked, tokens)
+
+
+def ban_stop_tokens(logits: torch.Tensor, items: list[ScheduledRequest]) -> bool:
+    """Until min_tokens are out, EOS and stop tokens cannot be sampled (as in vLLM); True if any was."""
+    banned_any = False
     for row, it in enumerate(items):
         r, p = it.request, it.request.sampling_params
         if it.output_index >= p.min_tokens:
@@ -54,6 +61,8 @@ def ban_stop_tokens(logits: torch.Tensor, items: list[ScheduledRequest]) -> None
         banned = [t for t in banned if t < logits.shape[-1]]
         if banned:
             logits[row, banned] = float("-inf")
+            banned_any = True
+    return banned_any
 
 
 def unpack(items: list[ScheduledRequest], out: SamplerOutput) -> list[SampledToken]:

@@ -17,6 +17,11 @@ from moeserve.config.model_config import ModelConfig
 FUSED_SHARED_MAX_TOKENS = 384
 
 
+# Up to this many tokens the router GEMM is the skinny Triton kernel (K split over 32 SMs);
+# cuBLAS gives a [T, 2048] x [2048, 64] product a single program.
+SKINNY_ROUTER_MAX_TOKENS = 64
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T in float32, as the reference models compute it.
 
@@ -24,6 +29,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     accumulates and writes float32 gives the reference's result without casting either operand.
     """
     if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        if x.shape[0] <= SKINNY_ROUTER_MAX_TOKENS:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+            ops.skinny_bmm(x.unsqueeze(0), weight.unsqueeze(0), out.unsqueeze(0))
+            return out
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
 

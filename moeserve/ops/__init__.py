@@ -18,6 +18,7 @@ from typing import Any
 
 from moeserve.ops.reference import activation as _ref_activation
 from moeserve.ops.reference import attention as _ref_attention
+from moeserve.ops.reference import linear as _ref_linear
 from moeserve.ops.reference import moe as _ref_moe
 from moeserve.ops.reference import norm as _ref_norm
 from moeserve.ops.reference import rope as _ref_rope
@@ -51,6 +52,7 @@ rms_norm = _dispatch("rms_norm", _ref_norm.rms_norm, "norm")
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", _ref_norm.fused_add_rms_norm, "norm")
 mla_rope_norm_store = _dispatch("mla_rope_norm_store", _ref_rope.mla_rope_norm_store, "rope_store")
 silu_and_mul = _dispatch("silu_and_mul", _ref_activation.silu_and_mul, "activation")
+skinny_bmm = _dispatch("skinny_bmm", _ref_linear.skinny_bmm, "skinny_gemm")
 
 __all__ = [
     "fused_add_rms_norm",
@@ -62,6 +64,7 @@ __all__ = [
     "rms_norm",
     "select_experts",
     "silu_and_mul",
+    "skinny_bmm",
     "store_kv",
     "varlen_attention",
 ]

@@ -51,10 +51,11 @@ def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, varia
 
 
 @pytest.mark.gpu
-def test_gpu_router_logits_in_half_precision_match_float32():
+@pytest.mark.parametrize("tokens", [1, 64, 300])  # the skinny kernel's path, then cuBLAS's
+def test_gpu_router_logits_in_half_precision_match_float32(tokens):
     """bf16 operands, float32 accumulation and output: the reference's float32 product."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(300, 2048, device="cuda", generator=gen).bfloat16()
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(64, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
     got = moe.router_logits(x, w)
     want = x.float() @ w.float().t()
