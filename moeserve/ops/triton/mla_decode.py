@@ -27,7 +27,8 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 32
 MAX_SPLITS = 512
 REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
-REDUCE_BLOCK_C = 64  # latent columns per reduce program
+REDUCE_BLOCK_C = 64  # latent columns per reduce program when rows are few
+REDUCE_MIN_PROGRAMS = 256  # rows x heads from which a reduce program takes a whole row
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -224,24 +225,26 @@ def _mla_reduce_kernel(
     first = (q_row * num_heads + head) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_valid, BLOCK_S):
-        lse = tl.load(part_lse_ptr + first + s0 + offs_s, mask=s0 + offs_s < n_valid, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, lse)
-    m = tl.max(m_vec, 0)
-    den = tl.zeros([BLOCK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    # One pass with a running max: a second pass over the lse would add a dependent memory round
+    # trip, and at decode sizes this kernel's time is its latency.
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for s0 in range(0, n_valid, BLOCK_S):
         ok = s0 + offs_s < n_valid
-        w = tl.exp2(tl.load(part_lse_ptr + first + s0 + offs_s, mask=ok, other=float("-inf")) - m)
+        lse = tl.load(part_lse_ptr + first + s0 + offs_s, mask=ok, other=float("-inf"))
         o = tl.load(
             part_o_ptr + (first + s0 + offs_s)[:, None] * LATENT + offs_c[None, :],
             mask=ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
         )
-        den += w
-        acc += w[:, None] * o
-    # The largest split weighs exactly 1, so den >= 1 unless the row has no keys at all.
-    o = tl.sum(acc, 0) / tl.maximum(tl.sum(den, 0), 1.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)  # 0 on the first chunk (m = -inf, m_new finite)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    # The largest split weighs exactly 1, so den >= 1.
+    o = acc / tl.maximum(den, 1.0)
     ptrs = out_ptr + q_row * stride_ot + head * stride_oh + offs_c
     tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_c < LATENT)
 
@@ -341,13 +344,25 @@ def run_absorbed(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
-        block_c = min(REDUCE_BLOCK_C, triton.next_power_of_2(rank))
-        _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
-            part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
-            num_splits, LATENT=rank, BLOCK_N=tiles.block_n, DECODE=decode,
-            BLOCK_S=REDUCE_BLOCK_S, BLOCK_C=block_c,
-        )
+        _reduce(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
     return out
+
+
+def _reduce(
+    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, qstart: torch.Tensor, out: torch.Tensor,
+    max_query_len: int, batch: int, num_splits: int, block_n: int, decode: bool,
+) -> None:
+    """Merge the splits: a program per (row, head), whole rows unless that leaves the GPU idle."""
+    rows, heads, rank = out.shape
+    full = triton.next_power_of_2(rank)
+    # Few rows (batch 1-8 decode): narrower column blocks give more programs in flight.
+    block_c = full if max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS else min(full, REDUCE_BLOCK_C)
+    # A power of two per split count (at most 5 variants), not one per count, bounds compiles.
+    block_s = min(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits))
+    _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
+        part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
+        num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=block_s, BLOCK_C=block_c,
+    )
 
 
 def decode_tiles(
