@@ -22,13 +22,15 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 
 
 def git_commit() -> str:
-    """The checkout's commit: git's answer, else $MOESERVE_COMMIT (copies without .git), else 'unknown'."""
+    """$MOESERVE_COMMIT when set (copies whose .git is missing or stale), else git's answer, else 'unknown'."""
     env = os.environ.get("MOESERVE_COMMIT")
+    if env:
+        return env
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or env or "unknown"
+        return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return env or "unknown"
+        return "unknown"
 
 
 def device_name(device: str) -> str:

@@ -107,6 +107,8 @@ class EngineCore:
             logger.warning("KV pool holds %d tokens, less than max_model_len %d: capping it", capacity, max_len)
             max_len = capacity
         runner.allocate_kv(plan.num_pages, kv_dtype)
+        if self.device.type == "cuda":
+            runner.warm_up_prefix_attention(max_len)
         if self.device.type == "cuda" and not engine.disable_cuda_graph:
             runner.capture_cuda_graphs(max_len)
         return max_len, plan

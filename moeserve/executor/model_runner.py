@@ -36,7 +36,7 @@ class ModelRunner:
     """Owns the model weights, the KV storage and the decode graphs on one device.
 
     Lifecycle: construct (weights loaded), `profile_activation_peak` (GPU), `allocate_kv`,
-    `capture_cuda_graphs` (GPU, optional), then `execute` every step.
+    `warm_up_prefix_attention` and `capture_cuda_graphs` (GPU), then `execute` every step.
     """
 
     def __init__(self, model: DeepseekForCausalLM, engine: EngineConfig, device: torch.device) -> None:
@@ -72,30 +72,54 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        zeros = np.zeros(num_tokens, dtype=np.int64)
-        fb = ForwardBatch(
-            input_ids=self._to_device(zeros),
-            positions=self._to_device(np.arange(num_tokens)),
-            slot_mapping=self._to_device(zeros),
-            block_table=self._to_device(np.zeros((1, 1), dtype=np.int32)),
-            seq_lens_t=self._int32([num_tokens]),
-            seq_lens=[num_tokens],
-            query_lens=[num_tokens],
-            num_decodes=0,
-            logits_indices=self._to_device(np.asarray([num_tokens - 1])),
-            kv_cache=self.kv_cache,
-            extend_use_mha=True,
-            extend_query_start_loc=self._int32([0, num_tokens]),
-            extend_kv_start_loc=self._int32([0, num_tokens]),
-            max_extend_len=num_tokens,
-            max_extend_seq_len=num_tokens,
-        )
-        self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb)[fb.logits_indices])
+        self._forward_scratch(0, num_tokens, use_mha=True)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_cache = saved
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def warm_up_prefix_attention(self, max_model_len: int) -> None:
+        """Compile the kernels of prefill over a cached prefix before serving (GPU only).
+
+        A first prefix-cache hit or second prefill chunk would otherwise compile them inside a
+        request, a 0.3-2 s stall. Covered: the absorbed form with its keys split (a short tail
+        after a long prefix) and unsplit (a long chunk), and the MHA form over a gathered prefix.
+        """
+        assert self.kv_cache is not None
+        prefix = min(1024, max_model_len // 2)
+        wide = max(1, min(4096, self.engine.max_num_batched_tokens, max_model_len - prefix))
+        for new, use_mha in ((1, False), (wide, False), (min(64, wide), True)):
+            self._forward_scratch(prefix, new, use_mha)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward_scratch(self, prefix: int, new: int, use_mha: bool) -> None:
+        """One extend row of `new` tokens after `prefix` cached ones, all on the scratch page."""
+        assert self.kv_cache is not None
+        total = prefix + new
+        zeros = np.zeros(new, dtype=np.int64)
+        pages = -(-total // self.page_size)
+        fb = ForwardBatch(
+            input_ids=self._to_device(zeros),
+            positions=self._to_device(np.arange(prefix, total)),
+            slot_mapping=self._to_device(zeros),
+            block_table=self._to_device(np.zeros((1, pages), dtype=np.int32)),
+            seq_lens_t=self._int32([total]),
+            seq_lens=[total],
+            query_lens=[new],
+            num_decodes=0,
+            logits_indices=self._to_device(np.asarray([new - 1])),
+            kv_cache=self.kv_cache,
+            extend_use_mha=use_mha,
+            extend_query_start_loc=self._int32([0, new]),
+            extend_kv_start_loc=self._int32([0, total]),
+            max_extend_len=new,
+            max_extend_seq_len=total,
+            extend_has_prefix=prefix > 0,
+        )
+        self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb)[fb.logits_indices])
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs for the configured batch sizes."""

@@ -355,10 +355,14 @@ def _reduce(
     """Merge the splits: a program per (row, head), whole rows unless that leaves the GPU idle."""
     rows, heads, rank = out.shape
     full = triton.next_power_of_2(rank)
-    # Few rows (batch 1-8 decode): narrower column blocks give more programs in flight.
-    block_c = full if max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS else min(full, REDUCE_BLOCK_C)
-    # A power of two per split count (at most 5 variants), not one per count, bounds compiles.
-    block_s = min(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits))
+    block_c, block_s = min(full, REDUCE_BLOCK_C), REDUCE_BLOCK_S
+    if decode:
+        # Few rows (batch 1-8): narrower column blocks give more programs in flight. The split
+        # count is rounded to a power of two: the decode graphs compile every variant at capture,
+        # and eager decodes reuse them. Extends keep one variant (warmed up at startup).
+        if max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS:
+            block_c = full
+        block_s = min(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits))
     _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
         part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
         num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=block_s, BLOCK_C=block_c,
