@@ -86,6 +86,10 @@ class ForwardBatch:
     max_extend_len: int = 0
     max_extend_seq_len: int = 0
     extend_has_prefix: bool = False
+    # The extend rows' block table and seq_lens in their own allocations: slices past the decode
+    # rows would start at unaligned addresses, for which Triton compiles other kernel variants.
+    extend_block_table: torch.Tensor | None = None
+    extend_seq_lens_t: torch.Tensor | None = None
     # The decode CUDA graph this batch replays (input_ids then hold raw placeholders), or None.
     graph_size: int | None = None
 

@@ -94,6 +94,7 @@ class ModelRunner:
             self._forward_scratch(prefix, new, use_mha)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # else graph capture's memory reading nets out these blocks
 
     def _forward_scratch(self, prefix: int, new: int, use_mha: bool) -> None:
         """One extend row of `new` tokens after `prefix` cached ones, all on the scratch page."""
@@ -119,6 +120,7 @@ class ModelRunner:
             max_extend_seq_len=total,
             extend_has_prefix=prefix > 0,
         )
+        fb.extend_block_table, fb.extend_seq_lens_t = fb.block_table, fb.seq_lens_t
         self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb)[fb.logits_indices])
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
@@ -211,11 +213,17 @@ class ModelRunner:
             graph_size=graph_size,
         )
         if num_decodes < count:
-            self._describe_extends(fb)
+            self._describe_extends(fb, block_table, seq_lens)
         return fb
 
-    def _describe_extends(self, fb: ForwardBatch) -> None:
+    def _describe_extends(self, fb: ForwardBatch, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
         """Fill the extend-row metadata and pick the prefill attention form."""
+        nd = fb.num_decodes
+        if nd:
+            fb.extend_block_table = self._to_device(block_table[nd:])
+            fb.extend_seq_lens_t = self._to_device(seq_lens[nd:].astype(np.int32))
+        else:
+            fb.extend_block_table, fb.extend_seq_lens_t = fb.block_table, fb.seq_lens_t
         ext_q = fb.query_lens[fb.num_decodes :]
         ext_s = fb.seq_lens[fb.num_decodes :]
         ext_p = [s - q for s, q in zip(ext_s, ext_q, strict=True)]

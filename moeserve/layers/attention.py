@@ -114,14 +114,14 @@ class MLAAttention(nn.Module):
         self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, w_uk: torch.Tensor, w_uv: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        b = batch.num_decodes
+        assert batch.extend_block_table is not None and batch.extend_seq_lens_t is not None
         q_latent = per_head_matmul(q[..., : self.nope_dim], w_uk)
         o_latent = ops.mla_extend_absorbed(
             q_latent,
             q[..., self.nope_dim :],
             cache,
-            batch.block_table[b:],
-            batch.seq_lens_t[b:],
+            batch.extend_block_table,
+            batch.extend_seq_lens_t,
             batch.extend_query_start_loc,
             batch.max_extend_len,
             self.scale,
@@ -134,12 +134,14 @@ class MLAAttention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """Decompressed attention for the extend rows, reading any cached prefix back from pages."""
-        b = batch.num_decodes
         cu_k = batch.extend_query_start_loc
         max_kv = batch.max_extend_len
         if batch.extend_has_prefix:
+            assert batch.extend_block_table is not None and batch.extend_seq_lens_t is not None
             cu_k, max_kv = batch.extend_kv_start_loc, batch.max_extend_seq_len
-            kv = ops.gather_kv(cache, batch.block_table[b:], batch.seq_lens_t[b:], cu_k, q.dtype, batch.kv_cache.kv_scale)
+            kv = ops.gather_kv(
+                cache, batch.extend_block_table, batch.extend_seq_lens_t, cu_k, q.dtype, batch.kv_cache.kv_scale
+            )
             latent, k_rope = kv[:, : self.kv_lora_rank], kv[:, self.kv_lora_rank :]
         kv_b = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv_b.split([self.nope_dim, self.v_dim], dim=-1)

@@ -1,5 +1,5 @@
 """Start-up warm-up of prefill over a cached prefix: it writes only the scratch page, and on GPU
-the prefix-cache hits served after start-up compile no Triton kernel."""
+the prefix-cache hits served after start-up (alone or beside decodes) compile no Triton kernel."""
 
 from __future__ import annotations
 
@@ -46,7 +46,13 @@ def test_prefix_hits_after_start_up_compile_nothing(v3_checkpoint):
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(str(kw.get("repr", kw.get("key")))[:200])
     try:
         full_hit = _finish(core, "again", prompt)  # one token recomputed over the cached prefix
-        partial_hit = _finish(core, "longer", [*prompt, *range(400, 440)])  # a hit and 40 new tokens
+        # A hit and 40 new tokens joining three running decodes: a mixed batch whose extend row
+        # comes after an odd number of decode rows.
+        for i in range(3):
+            core.add_request(f"d{i}", [1, *range(20 + i, 90 + i)], SamplingParams(max_tokens=30, ignore_eos=True))
+        core.step()
+        core.step()
+        partial_hit = _finish(core, "longer", [*prompt, *range(10, 50)])
     finally:
         knobs.runtime.jit_post_compile_hook = saved
     assert full_hit >= 192 and partial_hit >= 192

@@ -355,17 +355,15 @@ def _reduce(
     """Merge the splits: a program per (row, head), whole rows unless that leaves the GPU idle."""
     rows, heads, rank = out.shape
     full = triton.next_power_of_2(rank)
-    block_c, block_s = min(full, REDUCE_BLOCK_C), REDUCE_BLOCK_S
-    if decode:
-        # Few rows (batch 1-8): narrower column blocks give more programs in flight. The split
-        # count is rounded to a power of two: the decode graphs compile every variant at capture,
-        # and eager decodes reuse them. Extends keep one variant (warmed up at startup).
-        if max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS:
-            block_c = full
-        block_s = min(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits))
+    # Few rows (batch 1-8 decode): narrower column blocks give more programs in flight. The
+    # variant depends on the batch alone, so the decode graphs compile every one an eager decode
+    # can pick; extends keep the narrow one (warmed up at start-up). BLOCK_S is fixed for the
+    # same reason: a block sized to the split count would vary with context length.
+    wide = decode and max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS
+    block_c = full if wide else min(full, REDUCE_BLOCK_C)
     _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
         part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
-        num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=block_s, BLOCK_C=block_c,
+        num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=REDUCE_BLOCK_S, BLOCK_C=block_c,
     )
 
 
