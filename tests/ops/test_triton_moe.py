@@ -243,3 +243,22 @@ def test_gpu_fused_moe_is_graph_capturable():
                 dst.copy_(src)
             graph.replay()
             assert rel_err(out, ref.fused_moe(x2, w13, w2, w_new, ids_new)) < 1e-2
+
+
+def test_tuner_update_replaces_only_the_sizes_it_tunes(tmp_path):
+    from moeserve.ops.triton import tune_moe
+
+    common = ["--experts", "4", "--hidden", "32", "--inter", "16", "--iters", "1", "--quick", "--max-candidates", "1",
+              "--output", str(tmp_path), "--device", DEVICE]  # fmt: skip
+    path = tune_moe.main([*common, "--topk", "2", "--batch-sizes", "1", "3"])
+    first = json.loads(path.read_text())
+    first["3"]["up"]["num_stages"] = 9  # a marker the retune must overwrite
+    first["1"]["up"]["num_stages"] = 8  # and one it must keep
+    path.write_text(json.dumps(first))
+    tune_moe.main([*common, "--topk", "2", "--batch-sizes", "3", "--update"])
+    merged = json.loads(path.read_text())
+    assert merged["1"]["up"]["num_stages"] == 8 and merged["3"]["up"]["num_stages"] != 9
+    assert merged["_meta"]["updated"] == [3] and set(merged["_meta"]["timings"]) == {"1", "3"}
+    with pytest.raises(ValueError, match="topk"):
+        tune_moe.main([*common, "--topk", "1", "--batch-sizes", "3", "--update"])
+    assert json.loads(path.read_text()) == merged  # a refused update leaves the file alone

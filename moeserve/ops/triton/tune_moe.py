@@ -1,7 +1,7 @@
 """Tune the fused MoE kernels' block sizes for one MoE shape on this GPU and write the config JSON.
 
     python -m moeserve.ops.triton.tune_moe --experts 64 --hidden 2048 --inter 1408 --topk 6 \\
-        [--shared 2] [--batch-sizes 1 8 64 ...] [--output DIR] [--quick]
+        [--shared 2] [--batch-sizes 1 8 64 ...] [--output DIR] [--quick] [--update]
 
 For each batch size it times every token grouping that suits the load (dense / sorted, gemv /
 swapAB / dot, BLOCK_M), and for each grouping tunes the gate/up and the down GEMM separately
@@ -59,8 +59,8 @@ _QUICK = {
     ("gemv", "down"): [(32, 128, 1), (32, 256, 1), (64, 128, 1)],
     ("swap", "up"): [(32, 128, 4), (32, 256, 3), (64, 128, 4), (64, 64, 4), (16, 256, 4)],
     ("swap", "down"): [(64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 128, 4), (64, 64, 5)],
-    ("dot", "up"): [(64, 64, 3), (64, 64, 4), (128, 64, 3), (64, 128, 3), (32, 128, 4)],
-    ("dot", "down"): [(128, 64, 3), (128, 64, 4), (64, 64, 3), (256, 64, 3), (128, 128, 3)],
+    ("dot", "up"): [(64, 64, 3), (64, 64, 4), (128, 64, 3), (128, 64, 4), (64, 128, 3), (32, 128, 4)],
+    ("dot", "down"): [(128, 64, 3), (128, 64, 4), (64, 64, 3), (256, 64, 3), (256, 64, 4), (128, 128, 3)],
 }
 
 
@@ -69,7 +69,8 @@ def _fits(mode: str, rows: int, bn: int, bk: int, bm: int, stages: int, itemsize
     if mode == "gemv":
         return rows * bn * bk <= 16384
     smem = (rows * bn + bm) * bk * itemsize * stages
-    return smem <= _SMEM_BYTES and rows * bn * bm // 128 <= 128
+    # Accumulator registers per thread at 8 warps: 128x256 tiles are Hopper's prefill sweet spot.
+    return smem <= _SMEM_BYTES and rows * bn * bm // 256 <= 128
 
 
 def candidate_gemms(grouping: Config, part: str, itemsize: int, quick: bool) -> list[dict]:
@@ -240,12 +241,25 @@ def tune(experts: int, hidden: int, inter: int, topk: int, batch_sizes: list[int
     return {"_meta": meta, **result}
 
 
-def write_configs(configs: dict, output: Path, dtype: torch.dtype) -> Path:
-    """Write the tuned JSON under `output` with the name the loader looks for."""
+def write_configs(configs: dict, output: Path, dtype: torch.dtype, update: bool = False) -> Path:
+    """Write the tuned JSON under `output` with the name the loader looks for.
+
+    With `update`, batch sizes tuned now replace theirs in an existing file and the rest stay.
+    """
     meta = configs["_meta"]
     name = config_file_name(meta["experts"], meta["inter"], meta["hidden"], meta["device"], dtype)
     output.mkdir(parents=True, exist_ok=True)
     path = output / name
+    if update and path.exists():
+        old = json.loads(path.read_text())
+        old_meta = old.pop("_meta")
+        for key in ("experts", "shared", "hidden", "inter", "topk", "dtype"):
+            if old_meta.get(key, 0) != meta.get(key, 0):
+                raise ValueError(f"--update: {path} was tuned with {key}={old_meta.get(key)}, not {meta.get(key)}")
+        meta["timings"] = {**old_meta.get("timings", {}), **{str(k): v for k, v in meta["timings"].items()}}
+        meta["updated"] = sorted({*old_meta.get("updated", []), *(int(k) for k in configs if k != "_meta")})
+        merged = {**old, **{k: v for k, v in configs.items() if k != "_meta"}}
+        configs = {"_meta": meta, **dict(sorted(merged.items(), key=lambda kv: int(kv[0])))}
     path.write_text(json.dumps(configs, indent=1) + "\n")
     return path
 
@@ -265,11 +279,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--quick", action="store_true", help="a smaller search (about a third of the time)")
     parser.add_argument("--max-candidates", type=int, default=None, help="cap on tile shapes per GEMM")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--update", action="store_true", help="replace only these batch sizes in an existing file")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     configs = tune(args.experts, args.hidden, args.inter, args.topk, args.batch_sizes, dtype, args.device,
                    args.iters, args.quick, args.max_candidates, args.shared)
-    path = write_configs(configs, args.output, dtype)
+    path = write_configs(configs, args.output, dtype, args.update)
     print(f"wrote {path}")
     return path
 
