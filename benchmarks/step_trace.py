@@ -24,10 +24,12 @@ from moeserve.config.engine_config import EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 
 compiles: list[str] = []
+launched: list[int] = []  # tokens of each step the runner launched
 
 
 def on_compile(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:  # noqa: A002
-    compiles.append(repr[:300])
+    # The key holds the argument specialisations and constexprs that made this variant new.
+    compiles.append(f"{repr[:120]} key={str(key)[:700]}")
 
 
 def run(core: EngineCore, bs: int, output_len: int, seed: int, min_ms: float, tag: str) -> None:
@@ -44,7 +46,9 @@ def run(core: EngineCore, bs: int, output_len: int, seed: int, min_ms: float, ta
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         if ms > min_ms or compiles or retries:
             decodes = sum(1 for r in core.requests.values() if r.output_token_ids)
-            print(f"{tag} step {step}: {ms:.1f} ms, {decodes} decoding, {retries} alloc retries", flush=True)
+            tokens = launched[-1] if launched else 0
+            print(f"{tag} step {step}: {ms:.1f} ms, {tokens} tokens launched, {decodes} decoding, "
+                  f"{retries} alloc retries", flush=True)
             for c in compiles:
                 print("   compiled", c, flush=True)
         step += 1
@@ -66,6 +70,13 @@ def main() -> None:
         )
     )
     knobs.runtime.jit_post_compile_hook = on_compile
+    launch = core.runner.launch
+
+    def counting_launch(batch):
+        launched.append(sum(it.num_new_tokens for it in batch.items))
+        return launch(batch)
+
+    core.runner.launch = counting_launch
     run(core, a.batch_size, 4, 1, a.min_ms, "warmup")
     run(core, a.batch_size, 256, 0, a.min_ms, "timed")
 

@@ -108,6 +108,7 @@ class EngineCore:
             max_len = capacity
         runner.allocate_kv(plan.num_pages, kv_dtype)
         if self.device.type == "cuda":
+            runner.warm_up_moe()
             runner.warm_up_prefix_attention(max_len)
         if self.device.type == "cuda" and not engine.disable_cuda_graph:
             runner.capture_cuda_graphs(max_len)

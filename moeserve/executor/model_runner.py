@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from moeserve.core.request import Request
 from moeserve.executor.cuda_graph import CudaGraphRunner, batch_size_set
 from moeserve.executor.sampling_io import ban_stop_tokens, resolve_placeholders, sampling_batch, unpack
 from moeserve.layers.attention import use_mha_for_extend
+from moeserve.layers.moe import MoE
 from moeserve.layers.sampler import SamplerOutput, sample
 from moeserve.models.deepseek import DeepseekForCausalLM
 
@@ -36,7 +38,7 @@ class ModelRunner:
     """Owns the model weights, the KV storage and the decode graphs on one device.
 
     Lifecycle: construct (weights loaded), `profile_activation_peak` (GPU), `allocate_kv`,
-    `warm_up_prefix_attention` and `capture_cuda_graphs` (GPU), then `execute` every step.
+    `warm_up_moe`, `warm_up_prefix_attention` and `capture_cuda_graphs` (GPU), then `execute` every step.
     """
 
     def __init__(self, model: DeepseekForCausalLM, engine: EngineConfig, device: torch.device) -> None:
@@ -78,6 +80,18 @@ class ModelRunner:
         self.kv_cache = saved
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def warm_up_moe(self) -> None:
+        """Compile every fused-MoE variant a step of up to max_num_batched_tokens can pick (GPU)."""
+        moe = next((m for m in self.model.modules() if isinstance(m, MoE)), None)
+        if moe is None or self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        sizes = moe.warm_up(self.engine.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        logger.info("fused MoE warmed up at %d token counts in %.1f s", len(sizes), time.perf_counter() - start)
 
     @torch.inference_mode()
     def warm_up_prefix_attention(self, max_model_len: int) -> None:

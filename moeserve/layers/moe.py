@@ -118,3 +118,20 @@ class MoE(nn.Module):
         e = experts.num_routed
         out = ops.fused_moe(x, experts.w13_weight[:e], experts.w2_weight[:e], weights, ids)
         return experts.add_shared(x, out) if experts.num_shared else out
+
+    def warm_up(self, max_tokens: int) -> list[int]:
+        """Run once at every token count where the fused kernels' config changes (GPU only), so
+        Triton compiles each variant now, not inside a request; -> the counts run."""
+        if not self.experts.w13_weight.is_cuda:
+            return []
+        from moeserve.ops.triton.moe_config import warm_up_sizes
+
+        experts, k = self.experts, self.gate.config.num_experts_per_tok
+        fused = min(max_tokens, FUSED_SHARED_MAX_TOKENS) if experts.num_shared else 0
+        sizes = warm_up_sizes(experts.w13_weight, k + experts.num_shared, 1, fused) if fused else []
+        sizes += warm_up_sizes(experts.w13_weight[: experts.num_routed], k, fused + 1, max_tokens)
+        w = experts.w13_weight
+        x = torch.randn(max(sizes, default=0), w.shape[2], dtype=w.dtype, device=w.device)
+        for tokens in sizes:
+            self(x[:tokens])
+        return sizes

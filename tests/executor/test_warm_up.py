@@ -1,5 +1,6 @@
-"""Start-up warm-up of prefill over a cached prefix: it writes only the scratch page, and on GPU
-the prefix-cache hits served after start-up (alone or beside decodes) compile no Triton kernel."""
+"""Start-up warm-ups: prefill over a cached prefix writes only the scratch page, and on GPU the
+requests served after start-up (prefix hits alone or beside decodes, prompts of new lengths)
+compile no Triton kernel."""
 
 from __future__ import annotations
 
@@ -33,18 +34,18 @@ def _finish(core, rid: str, prompt: list[int]) -> int:
 
 
 @pytest.mark.gpu
-def test_prefix_hits_after_start_up_compile_nothing(v3_checkpoint):
+def test_requests_after_start_up_compile_nothing(v3_checkpoint):
     from triton import knobs
 
     llm = LLM(str(v3_checkpoint), dtype="bfloat16", device="cuda", max_model_len=512, num_kv_pages=128,
               cuda_graph_max_bs=8)  # fmt: skip
     core = llm.core
     prompt = [1, *range(100, 300)]
-    _finish(core, "first", prompt)  # a fresh prompt: the no-prefix path
     compiled: list[str] = []
     saved = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(str(kw.get("repr", kw.get("key")))[:200])
     try:
+        _finish(core, "first", prompt)  # a fresh prompt: the no-prefix path
         full_hit = _finish(core, "again", prompt)  # one token recomputed over the cached prefix
         # A hit and 40 new tokens joining three running decodes: a mixed batch whose extend row
         # comes after an odd number of decode rows.
@@ -53,7 +54,8 @@ def test_prefix_hits_after_start_up_compile_nothing(v3_checkpoint):
         core.step()
         core.step()
         partial_hit = _finish(core, "longer", [*prompt, *range(10, 50)])
+        fresh = _finish(core, "fresh", [1, *range(5, 290)])  # a new length: other MoE configs
     finally:
         knobs.runtime.jit_post_compile_hook = saved
-    assert full_hit >= 192 and partial_hit >= 192
+    assert full_hit >= 192 and partial_hit >= 192 and fresh < 16
     assert compiled == []

@@ -262,3 +262,19 @@ def test_tuner_update_replaces_only_the_sizes_it_tunes(tmp_path):
     with pytest.raises(ValueError, match="topk"):
         tune_moe.main([*common, "--topk", "1", "--batch-sizes", "3", "--update"])
     assert json.loads(path.read_text()) == merged  # a refused update leaves the file alone
+
+
+def test_change_points_reach_every_config_the_picker_can_choose():
+    """Warm-up runs only these token counts, so together they must cover every pick in the range."""
+    args = (64, 1408, 2048, "NVIDIA_H200", torch.bfloat16, 6)
+    points = moe_config.config_change_points(*args, 385, 8192)
+    configs = moe_config.load_configs(64, 1408, 2048, "NVIDIA_H200", torch.bfloat16)
+    assert configs is not None and points[0] == 385
+
+    def pick(t):
+        return json.dumps(moe_config.pick_config(configs, t, 64, 6), sort_keys=True)
+
+    warmed = {pick(t) for t in points}
+    assert len(warmed) == len(points)  # one count per distinct config
+    assert {pick(t) for t in range(385, 8193)} == warmed
+    assert pick(8192) != pick(385)  # the file really changes config across the range

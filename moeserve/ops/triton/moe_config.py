@@ -143,6 +143,28 @@ def _device_name_cached(device: torch.device) -> str:
     return device_name(device)
 
 
+def config_change_points(
+    experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype, topk: int, lo: int, hi: int
+) -> list[int]:
+    """The first token count in lo..hi of each distinct config: running those reaches every kernel variant."""
+    configs = load_configs(experts, inter, hidden, device, dtype)
+    seen: set[str] = set()
+    points = []
+    for tokens in range(lo, hi + 1):
+        key = json.dumps(pick_config(configs, tokens, experts, topk, dtype), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            points.append(tokens)
+    return points
+
+
+def warm_up_sizes(w13: torch.Tensor, topk: int, lo: int, hi: int) -> list[int]:
+    """config_change_points for the fused MoE over these stacked weights."""
+    experts, two_inter, hidden_size = w13.shape
+    device = _device_name_cached(w13.device)
+    return config_change_points(experts, two_inter // 2, hidden_size, device, w13.dtype, topk, lo, hi)
+
+
 def get_config(hidden: torch.Tensor, w13: torch.Tensor, topk: int) -> Config:
     """The config for one fused MoE call, from its inputs' shapes, dtype and device."""
     experts, two_inter, hidden_size = w13.shape
