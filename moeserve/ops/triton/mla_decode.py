@@ -353,7 +353,7 @@ def _reduce(
     max_query_len: int, batch: int, num_splits: int, block_n: int, decode: bool,
 ) -> None:
     """Merge the splits: a program per (row, head), whole rows unless that leaves the GPU idle."""
-    rows, heads, rank = out.shape
+    _, heads, rank = out.shape
     full = triton.next_power_of_2(rank)
     # Few rows (batch 1-8 decode): narrower column blocks give more programs in flight. The
     # variant depends on the batch alone, so the decode graphs compile every one an eager decode
