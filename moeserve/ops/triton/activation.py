@@ -6,12 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, block): BLOCK outputs of one row."""
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -34,5 +37,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     if rows and inter:
         grid = (rows, triton.cdiv(inter, BLOCK))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=BLOCK, num_warps=4)
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=BLOCK, num_warps=4, **pdl_launch(x2))
     return out

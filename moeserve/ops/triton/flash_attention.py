@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 LOG2E = 1.4426950408889634
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -80,8 +82,9 @@ def _varlen_kernel(
     num_m_blocks, qk_scale, K2_SHIFT: tl.constexpr,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     SPLIT_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     # The last query blocks see the most keys; starting them first evens out the causal tail.
     m_block = num_m_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -207,6 +210,6 @@ def varlen_attention(
         DQ=dq, DV=dv, BLOCK_D1=d1, BLOCK_D2=max(d2, 16), SPLIT_D=d2 > 0,
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
         COMPUTE=compute, PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_launch(q),
     )
     return out

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from moeserve.ops.triton.moe_align import moe_align
 from moeserve.ops.triton.moe_config import Config, get_config, validate_config
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 _MODE_IDS = {"gemv": 0, "swap": 1, "dot": 2}
 
@@ -107,9 +108,10 @@ def _moe_up_kernel(
     stride_xt, stride_we, stride_wn, stride_at,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
     DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x @ gate_n) * (x @ up_n) for one block of pairs and BLOCK_N columns."""
+    wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                                        TOPK, K_PAD, DENSE, BLOCK_M)
@@ -134,9 +136,10 @@ def _moe_down_kernel(
     stride_at, stride_we, stride_wn, stride_ot,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
     DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (act[pair] @ down_n) for one block of pairs and BLOCK_N columns."""
+    wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                                        TOPK, K_PAD, DENSE, BLOCK_M)
@@ -152,8 +155,9 @@ def _moe_down_kernel(
 
 @triton.jit
 def _topk_sum_kernel(src_ptr, dst_ptr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """dst[t] = sum over slots of src[t * k + slot], in fp32."""
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, K_PAD)
@@ -202,7 +206,7 @@ def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor) -> dict:
         "MODE": _MODE_IDS[plan.config["MODE"]], "BLOCK_M": plan.config["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"],
         "BLOCK_K": gemm["BLOCK_K"], "GROUP_M": 1 if plan.config["DENSE"] else gemm["GROUP_M"],
         "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None,
-        "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"],
+        "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"], **pdl_launch(x),
     }
 
 
@@ -251,7 +255,7 @@ def moe_topk_sum(out: torch.Tensor, topk: int) -> torch.Tensor:
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     grid = (tokens, triton.cdiv(hidden_size, block_h))
     _topk_sum_kernel[grid](out, dst, HIDDEN=hidden_size, TOPK=topk, K_PAD=triton.next_power_of_2(topk),
-                           BLOCK_H=block_h, num_warps=4)
+                           BLOCK_H=block_h, num_warps=4, **pdl_launch(out))
     return dst
 
 

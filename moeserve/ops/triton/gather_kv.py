@@ -11,14 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 
 @triton.jit(do_not_specialize=["stride_table"])  # the block table's width varies by batch
 def _gather_kernel(
     kv_ptr, table_ptr, seq_lens_ptr, cu_ptr, out_ptr,
     stride_page, stride_slot, stride_table, stride_out, kv_scale,
     WIDTH: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DEQUANT: tl.constexpr,
+    DEQUANT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     b = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + b)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -67,6 +70,6 @@ def gather_kv(
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), float(kv_scale),
         WIDTH=width, PAGE_SIZE=kv_cache.shape[1], BLOCK_T=block_t, BLOCK_D=min(128, triton.next_power_of_2(width)),
         DEQUANT=kv_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4,
+        num_warps=4, **pdl_launch(out),
     )
     return out

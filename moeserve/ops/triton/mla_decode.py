@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 LOG2E = 1.4426950408889634
 # One tile per split is still worth it: at serving-length contexts (1-2K keys) a few programs
 # walking many tiles each are latency-bound (benchmarks/kernels/sweep_mla_short.py).
@@ -153,8 +155,9 @@ def _mla_split_kernel(
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     head_groups = tl.cdiv(num_heads, BLOCK_H)
     # The last query blocks see the most keys; starting them first evens out the causal tail.
     q_block = num_q_blocks - 1 - tl.program_id(0) // head_groups
@@ -210,8 +213,9 @@ def _mla_split_kernel(
 def _mla_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, qstart_ptr, out_ptr, stride_ot, stride_oh, num_heads,
     num_splits, LATENT: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     tok = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     b = tl.program_id(1)
@@ -341,7 +345,7 @@ def run_absorbed(
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
         SPLIT_KV=num_splits > 1, DECODE=decode, RELOAD=fp8 and compute != tl.float32, COMPUTE=compute,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
     if num_splits > 1:
         _reduce(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
@@ -364,6 +368,7 @@ def _reduce(
     _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
         part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
         num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=REDUCE_BLOCK_S, BLOCK_C=block_c,
+        **pdl_launch(out),
     )
 
 

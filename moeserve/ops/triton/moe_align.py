@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 # Chunks of pairs counted in parallel; the offsets kernel loads all their histograms at once.
 MAX_CHUNKS = 64
 _FILL = 1024
@@ -21,9 +23,10 @@ _FILL = 1024
 @triton.jit(do_not_specialize=["numel", "padded_len", "fill_per_program", "chunk"])
 def _count_kernel(
     ids_ptr, counts_ptr, sorted_ptr, numel, padded_len, fill_per_program, chunk,
-    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, FILL: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Per-chunk expert histogram; also fills this program's share of `sorted` with padding."""
+    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -46,9 +49,10 @@ def _count_kernel(
 @triton.jit(do_not_specialize=["num_chunks", "max_blocks"])
 def _offsets_kernel(
     counts_ptr, block_expert_ptr, num_padded_ptr, num_chunks, max_blocks,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, C_PAD: tl.constexpr, BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, C_PAD: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Turn chunk histograms into each chunk's write offset per expert, and label every block."""
+    wait_for_prior_grid(PDL)
     rows = tl.arange(0, C_PAD)
     cols = tl.arange(0, E_PAD)
     ptrs = counts_ptr + rows[:, None] * E_PAD + cols[None, :]
@@ -76,9 +80,10 @@ def _offsets_kernel(
 @triton.jit(do_not_specialize=["numel", "chunk"])
 def _scatter_kernel(
     ids_ptr, offsets_ptr, sorted_ptr, numel, chunk,
-    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
 ):
     """Write each pair's flat index at its expert's next free slot, in token order."""
+    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     cursor = tl.load(offsets_ptr + pid * E_PAD + cols)
@@ -125,13 +130,15 @@ def moe_align(
     warps = 4 if e_pad <= 64 else 8
     _count_kernel[(num_chunks,)](
         ids, offsets, sorted_ids, numel, capacity, fill, chunk,
-        NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, FILL=_FILL, num_warps=warps,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, FILL=_FILL, num_warps=warps, **pdl_launch(ids),
     )
     _offsets_kernel[(1,)](
         offsets, block_expert, num_padded, num_chunks, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, C_PAD=MAX_CHUNKS, BLOCKS=max(16, 4096 // e_pad), num_warps=warps,
+        **pdl_launch(ids),
     )
     _scatter_kernel[(num_chunks,)](
-        ids, offsets, sorted_ids, numel, chunk, NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, num_warps=warps
+        ids, offsets, sorted_ids, numel, chunk, NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, num_warps=warps,
+        **pdl_launch(ids),
     )
     return sorted_ids, block_expert, num_padded

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 MAX_WIDTH = 16384  # a whole row lives in registers; wider rows would spill
 
 
@@ -35,9 +37,10 @@ def _rms_norm_kernel(
     width,
     eps,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row per program: optional residual add, then RMSNorm, the whole row in registers."""
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -88,6 +91,7 @@ def _launch(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, summed, x2.stride(0), res2.stride(0), width, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+            **pdl_launch(x2),
         )
     return out, summed
 

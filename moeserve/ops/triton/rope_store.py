@@ -15,6 +15,7 @@ import triton.language as tl
 
 from moeserve.ops.reference.attention import FP8_MAX
 from moeserve.ops.triton.norm import normalize_row
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 # Cody-Waite split of 2*pi: A and B have 8 significant bits, so turns * A and turns * B are exact
 # for turns < 2^16 (angles up to ~400k radians, beyond any position times DeepSeek's largest
@@ -90,9 +91,10 @@ def _mla_prep_kernel(
     pos_ptr, q_ptr, kv_ptr, w_ptr, inv_freq_ptr, cache_ptr, slot_ptr, latent_ptr, k_rope_ptr,
     stride_qt, stride_qh, stride_kv, stride_slot, eps, magnitude, kv_scale,
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr,
+    INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token per program: its latent, rotary key, cache slot and q_rope heads."""
+    wait_for_prior_grid(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     in_cache = slot >= 0
@@ -174,6 +176,6 @@ def mla_rope_norm_store(
             float(eps), float(magnitude), float(kv_scale),
             HEADS=q_rope.shape[1], RANK=rank, ROPE=rope, BLOCK_RANK=triton.next_power_of_2(rank),
             BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=bool(interleaved),
-            CACHE_FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+            CACHE_FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl_launch(kv),
         )
     return latent, k_rope

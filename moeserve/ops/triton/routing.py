@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
 _METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 _SCORING = ("softmax", "sigmoid")
 
@@ -44,9 +46,10 @@ def _routing_kernel(
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2_SUM: tl.constexpr, MASK_FILL: tl.constexpr,
     NORMALISE: tl.constexpr, SCALE: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-    E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Top-k experts and their weights for BLOCK_T tokens, following the reference's rules."""
+    wait_for_prior_grid(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     valid = (rows[:, None] < num_tokens) & (cols[None, :] < NUM_EXPERTS)
@@ -145,6 +148,6 @@ def select_experts(
         MASK_FILL=float("-inf") if topk_method == "noaux_tc" else 0.0,
         NORMALISE=normalise, SCALE=scale_after_norm or not normalise, NUM_SHARED=num_shared, BLOCK_T=block_t,
         E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k + num_shared), G_PAD=triton.next_power_of_2(max(n_group, 1)),
-        num_warps=max(1, min(4, block_t * e_pad // 256)),
+        num_warps=max(1, min(4, block_t * e_pad // 256)), **pdl_launch(logits),
     )
     return weights, ids

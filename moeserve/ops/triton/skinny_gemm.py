@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.triton.mla_decode import sm_count
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 MAX_ROWS = 64  # past this the activations' re-reads cost more than cuBLAS's idle SMs
 
@@ -30,9 +31,10 @@ def _skinny_kernel(
     stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk, stride_ob, stride_om, stride_on,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ATOMIC: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n block, batch, k split): acc[BLOCK_N, BLOCK_M] = W tile @ X^T over its K range."""
+    wait_for_prior_grid(PDL)
     b = tl.program_id(1).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -126,6 +128,6 @@ def skinny_bmm(
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % k_per_split == 0, ATOMIC=atomic, COMPUTE=compute,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x),
     )
     return out

@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL, Hopper and newer): a kernel starts while the one before drains.
+
+At decode sizes most kernels run for a few microseconds, so the gap between one kernel's last
+block and the next one's first (launch, block scheduling, prologue) is a large share of a step.
+With PDL the next kernel's blocks are placed on the SMs early and park in `griddepcontrol.wait`
+until the previous grid has finished and its writes are visible.
+
+The rule that keeps this safe: every kernel launched with `pdl_launch` calls `wait_for_prior_grid`
+before its first global memory access (read or write). Each kernel then starts its memory work
+only after its predecessor completed, which completed only after its own predecessor, so stream
+order holds for memory exactly as without PDL. Kernels not launched this way (cuBLAS, PyTorch)
+are ordinary stream-ordered launches. MOESERVE_PDL=0 turns it off (for A/B timing).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_prior_grid(PDL: tl.constexpr):
+    """Block until the previous kernel in the stream is done, then let the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=8)
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("MOESERVE_PDL", "1") != "0"
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel working on `t`'s device: PDL on Hopper+ GPUs, off elsewhere."""
+    if t.device.type != "cuda":
+        return {"PDL": False}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if not _supported(index):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
