@@ -71,8 +71,8 @@ class MLAAttention(nn.Module):
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (queries [T, H, qk_head_dim], kv_a output [T, rank + rope_dim])."""
-        q_a, kv = self.fused_qkv_a_proj(hidden).split([self.q_a_dim, self.kv_lora_rank + self.rope_dim], dim=-1)
-        q = q_a if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_a))
+        q_a, kv = _linear(self.fused_qkv_a_proj, hidden).split([self.q_a_dim, self.kv_lora_rank + self.rope_dim], dim=-1)
+        q = q_a if self.q_lora_rank is None else _linear(self.q_b_proj, self.q_a_layernorm(q_a))
         return q.view(hidden.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -108,7 +108,7 @@ class MLAAttention(nn.Module):
                 self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch, out[d:])
             else:
                 self._extend_absorbed(q[d:], cache, batch, w_uk, w_uv, out[d:])
-        return self.o_proj(out.flatten(1))
+        return _linear(self.o_proj, out.flatten(1))
 
     def _extend_absorbed(
         self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, w_uk: torch.Tensor, w_uv: torch.Tensor,
@@ -150,6 +150,11 @@ class MLAAttention(nn.Module):
             q, k_nope, v, batch.extend_query_start_loc, cu_k, batch.max_extend_len, max_kv, self.scale,
             k_rope=k_rope, out=out,
         )
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` through ops.linear (a GEMV for decode-size inputs on the GPU)."""
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 # Up to this many tokens the per-head matmuls run in the skinny Triton GEMM (measured faster).

@@ -22,4 +22,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        act = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight))
+        return ops.linear(act, self.down_proj.weight)

@@ -17,8 +17,10 @@ from moeserve.config.model_config import ModelConfig
 FUSED_SHARED_MAX_TOKENS = 384
 
 
-# Up to this many tokens the router GEMM is the skinny Triton kernel (K split over 32 SMs);
-# cuBLAS gives a [T, 2048] x [2048, 64] product a single program.
+# Up to this many tokens the router GEMM is the Triton GEMV: it loads the router weight before
+# waiting on the previous kernel and needs no zeroed fp32 buffer. Up to the second, the skinny
+# Triton kernel (K split over 32 SMs); cuBLAS gives a [T, 2048] x [2048, 64] product one program.
+GEMV_ROUTER_MAX_TOKENS = 8
 SKINNY_ROUTER_MAX_TOKENS = 64
 
 
@@ -29,6 +31,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     accumulates and writes float32 gives the reference's result without casting either operand.
     """
     if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        if x.shape[0] <= GEMV_ROUTER_MAX_TOKENS:
+            return ops.linear(x, weight, out_dtype=torch.float32)
         if x.shape[0] <= SKINNY_ROUTER_MAX_TOKENS:
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
             ops.skinny_bmm(x.unsqueeze(0), weight.unsqueeze(0), out.unsqueeze(0))
@@ -109,11 +113,13 @@ class MoE(nn.Module):
             config.n_routed_experts, config.n_shared_experts, config.hidden_size, config.moe_intermediate_size
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
+        """[T, H]; with sum_slots False it may instead return the per-expert parts [T, slots, H],
+        for a caller whose next op sums them anyway (the fused add + RMSNorm)."""
         experts = self.experts
         if experts.num_shared and x.shape[0] <= FUSED_SHARED_MAX_TOKENS:
             weights, ids = self.gate(x, experts.num_shared)
-            return ops.fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids)
+            return ops.fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids, sum_slots=sum_slots)
         weights, ids = self.gate(x)
         e = experts.num_routed
         out = ops.fused_moe(x, experts.w13_weight[:e], experts.w2_weight[:e], weights, ids)
@@ -130,6 +136,9 @@ class MoE(nn.Module):
         fused = min(max_tokens, FUSED_SHARED_MAX_TOKENS) if experts.num_shared else 0
         sizes = warm_up_sizes(experts.w13_weight, k + experts.num_shared, 1, fused) if fused else []
         sizes += warm_up_sizes(experts.w13_weight[: experts.num_routed], k, fused + 1, max_tokens)
+        # The router's kernel changes at other counts: GEMV, then the skinny GEMM's row blocks.
+        router = (1, GEMV_ROUTER_MAX_TOKENS + 1, 17, 33, SKINNY_ROUTER_MAX_TOKENS + 1)
+        sizes = sorted(set(sizes) | {t for t in router if t <= max_tokens})
         w = experts.w13_weight
         x = torch.randn(max(sizes, default=0), w.shape[2], dtype=w.dtype, device=w.device)
         for tokens in sizes:

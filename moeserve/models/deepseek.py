@@ -31,7 +31,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it); the caller adds them.
 
-        Deferring each residual add into the next norm lets one fused op do add + norm.
+        Deferring each residual add into the next norm lets one fused op do add + norm. A MoE's
+        output may be its per-expert parts [T, slots, H]: that op sums them too.
         """
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -39,6 +40,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(hidden, sum_slots=False), residual
         return self.mlp(hidden), residual
 
 

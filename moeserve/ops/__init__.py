@@ -53,11 +53,13 @@ fused_add_rms_norm = _dispatch("fused_add_rms_norm", _ref_norm.fused_add_rms_nor
 mla_rope_norm_store = _dispatch("mla_rope_norm_store", _ref_rope.mla_rope_norm_store, "rope_store")
 silu_and_mul = _dispatch("silu_and_mul", _ref_activation.silu_and_mul, "activation")
 skinny_bmm = _dispatch("skinny_bmm", _ref_linear.skinny_bmm, "skinny_gemm")
+linear = _dispatch("linear", _ref_linear.linear, "gemv")
 
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "gather_kv",
+    "linear",
     "mla_decode",
     "mla_extend_absorbed",
     "mla_rope_norm_store",

@@ -138,6 +138,18 @@ def test_fused_moe_half_precision_default_config(dtype, tol, poisoned):
     assert rel_err(got, want) < tol
 
 
+@pytest.mark.parametrize("name", ["dense-gemv", "sorted-swap"])
+def test_fused_moe_unsummed_parts_match_reference(name, poisoned):
+    """sum_slots=False: each (token, slot)'s weighted expert output, [T, k, H], summing to the result."""
+    x, w13, w2, weights, ids = make_case(5, 6, 40, 24, 3, torch.float32, "random", seed=9)
+    got = fused_moe(x, w13, w2, weights, ids, sum_slots=False, config=CONFIGS[name])
+    want = ref.fused_moe(x, w13, w2, weights, ids, sum_slots=False)
+    assert got.shape == want.shape == (5, 3, 40)
+    assert rel_err(got, want) < 3e-5
+    assert rel_err(got.sum(1), ref.fused_moe(x, w13, w2, weights, ids)) < 3e-5
+    assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0], sum_slots=False).shape == (0, 3, 40)
+
+
 def test_fused_moe_top1_and_empty_batch():
     x, w13, w2, weights, ids = make_case(4, 3, 16, 16, 1, torch.float32, "random", seed=1)
     want = ref.fused_moe(x, w13, w2, weights, ids)

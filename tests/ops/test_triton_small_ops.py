@@ -75,6 +75,23 @@ def test_fused_add_rms_norm_matches_reference(dtype):
     assert not (x.data_ptr() == summed.data_ptr() or residual.data_ptr() == summed.data_ptr())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_fused_add_rms_norm_sums_per_expert_parts_first(dtype, slots):
+    """x as [T, slots, H] (a MoE's unsummed outputs): summed, added to the residual, normalised."""
+    gen = torch.Generator().manual_seed(slots)
+    parts = rand(gen, 5, slots, 40, dtype=dtype)
+    residual = rand(gen, 5, 40, dtype=dtype)
+    w = (torch.rand(40, generator=gen) + 0.5).to(device=DEVICE, dtype=dtype)
+    normed, summed = tri_norm.fused_add_rms_norm(parts, residual, w, 1e-5)
+    assert normed.shape == summed.shape == (5, 40)
+    want_normed, want_summed = ref_norm.fused_add_rms_norm(parts, residual, w, 1e-5)
+    # Sums of up to 9 unit normals reach ~4, where one bfloat16 step is 1/64.
+    close = tol(dtype) if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 3.2e-2}
+    torch.testing.assert_close(summed, want_summed, **close)
+    torch.testing.assert_close(normed, want_normed, **close)
+
+
 def test_rms_norm_takes_leading_dims_and_empty_batches():
     gen = torch.Generator().manual_seed(4)
     x = rand(gen, 2, 3, 16)

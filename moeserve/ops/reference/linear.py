@@ -1,8 +1,9 @@
-"""Reference small-batch matmul: what the Triton skinny GEMM computes, in float32."""
+"""Reference small-batch matmuls: what the Triton skinny GEMM and GEMV compute."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -12,3 +13,12 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
     """
     out.copy_(torch.bmm(x.float(), w.float().transpose(1, 2)))
     return out
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) as nn.Linear computes it, or in out_dtype (operands widened to it first)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))

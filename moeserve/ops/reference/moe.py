@@ -68,11 +68,15 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    sum_slots: bool = True,
 ) -> torch.Tensor:
     """Weighted sum over each token's experts of down(silu(gate(x)) * up(x)).
 
     `w13` is [E, 2*I, H] (gate rows then up rows) and `w2` is [E, H, I], one slice per expert.
+    With sum_slots False the weighted per-expert outputs come back unsummed, [T, k, H].
     """
+    if not sum_slots:
+        return _per_slot(hidden, w13, w2, topk_weights, topk_ids)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     inter = w2.shape[-1]
     for expert in topk_ids.unique().tolist():
@@ -83,3 +87,17 @@ def fused_moe(
         y = F.linear(act, w2[expert])
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None])
     return out.to(hidden.dtype)
+
+
+def _per_slot(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """[T, k, H]: routing weight * expert output for every (token, slot)."""
+    out = hidden.new_empty(*topk_ids.shape, hidden.shape[1])
+    inter = w2.shape[-1]
+    for expert in topk_ids.unique().tolist():
+        rows, slot = torch.where(topk_ids == expert)
+        gate_up = F.linear(hidden[rows], w13[expert])
+        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])
+        out[rows, slot] = (y.float() * topk_weights[rows, slot, None]).to(hidden.dtype)
+    return out

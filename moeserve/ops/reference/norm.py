@@ -15,6 +15,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the pre-norm block boundary in one op."""
+    """(rms_norm(x + residual), x + residual): the pre-norm block boundary in one op.
+
+    x may also be [T, slots, H]: a MoE's per-expert outputs, summed (in float32) before the add.
+    """
+    if x.dim() == residual.dim() + 1:
+        x = x.float().sum(-2).to(x.dtype)
     summed = x + residual
     return rms_norm(summed, weight, eps), summed

@@ -33,18 +33,29 @@ def _rms_norm_kernel(
     out_ptr,
     sum_ptr,
     stride_x,
+    stride_slot,
     stride_res,
     width,
     eps,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SLOTS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """One row per program: optional residual add, then RMSNorm, the whole row in registers."""
+    """One row per program: optional slot sum and residual add, then RMSNorm, the row in registers."""
     wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SLOTS == 1:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    else:
+        # A MoE's per-expert outputs: summed in float32, rounded once (as its top-k sum would).
+        slots = tl.arange(0, SLOTS_PAD)
+        ptrs = x_ptr + row * stride_x + slots[:, None] * stride_slot + cols[None, :]
+        parts = tl.load(ptrs, mask=(slots[:, None] < SLOTS) & mask[None, :], other=0.0)
+        x = tl.sum(parts.to(tl.float32), axis=0).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         # x + residual rounds to x's dtype first, as the reference's add does.
@@ -65,6 +76,8 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     """Raise on inputs the kernel cannot take."""
     width = x.shape[-1]
+    if residual is not None and x.dim() == residual.dim() + 1:
+        x = x[..., 0, :]  # [T, slots, H] parts to sum: checked as the [T, H] they sum to
     if weight.shape != (width,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match width {width}")
     if width > MAX_WIDTH:
@@ -82,16 +95,19 @@ def _launch(
     """(normed, summed); summed is `normed` itself when there is no residual."""
     _check(x, residual, weight)
     width = x.shape[-1]
-    x2 = _rows(x, width)
-    res2 = x2 if residual is None else _rows(residual, width)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    has_slots = residual is not None and x.dim() == residual.dim() + 1
+    slots = x.shape[-2] if has_slots else 1
+    x3 = x.reshape(-1, slots, width)  # a view for row-strided inputs (the latent inside kv_a's output)
+    x3 = x3 if x3.stride(-1) == 1 else x3.contiguous()
+    res2 = x3[:, 0] if residual is None else _rows(residual, width)
+    out = torch.empty(residual.shape if has_slots else x.shape, dtype=x.dtype, device=x.device)
     summed = out if residual is None else torch.empty_like(out)
-    if x2.shape[0]:
+    if x3.shape[0]:
         block = triton.next_power_of_2(width)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight.contiguous(), out, summed, x2.stride(0), res2.stride(0), width, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-            **pdl_launch(x2),
+        _rms_norm_kernel[(x3.shape[0],)](
+            x3, res2, weight.contiguous(), out, summed, x3.stride(0), x3.stride(1), res2.stride(0), width,
+            float(eps), HAS_RESIDUAL=residual is not None, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
+            BLOCK=block, num_warps=min(max(block // 256, 1), 16), **pdl_launch(x3),
         )
     return out, summed
 
@@ -104,5 +120,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass over both inputs."""
+    """(rms_norm(x + residual), x + residual) in one pass; x may be [T, slots, H] parts to sum first."""
     return _launch(x, residual, weight, eps)

@@ -1,6 +1,6 @@
 """Triton MLA token preparation: latent RMSNorm, rotary on q_rope and k_rope, paged-cache store.
 
-One program per token reads kv_a's output row once, writes the normalised latent and the rotated
+Two programs per token read kv_a's output row once, write the normalised latent and the rotated
 rotary key both to the returned tensors and to the token's cache slot (scaled and saturated when
 the cache is FP8), and rotates the token's q_rope heads in place. cos/sin come from
 positions * inv_freq in the kernel, so no cos/sin table is needed and the launch depends only on
@@ -93,37 +93,41 @@ def _mla_prep_kernel(
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One token per program: its latent, rotary key, cache slot and q_rope heads."""
+    """Program (token, part): part 0 the latent, part 1 the rotary key and q_rope heads."""
     wait_for_prior_grid(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     in_cache = slot >= 0
     cache_row = cache_ptr + slot * stride_slot
     cache_dtype = cache_ptr.dtype.element_ty
-    # The latent: RMSNorm, then to the returned tensor and the cache.
-    cols = tl.arange(0, BLOCK_RANK)
-    cmask = cols < RANK
-    x = tl.load(kv_ptr + tok * stride_kv + cols, mask=cmask, other=0.0)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    latent = normalize_row(x.to(tl.float32), w, RANK, eps, x.dtype)
-    tl.store(latent_ptr + tok * RANK + cols, latent, mask=cmask)
-    tl.store(cache_row + cols, _to_cache(latent, kv_scale, CACHE_FP8, cache_dtype), mask=cmask & in_cache)
-    # The rotary key, then q_rope with the same angles.
-    half: tl.constexpr = ROPE // 2
-    cos, sin = _cos_sin(tl.load(pos_ptr + tok), inv_freq_ptr, magnitude, half, BLOCK_HALF)
-    first, second = _pair_offsets(INTERLEAVED, half, BLOCK_HALF)
-    pmask = tl.arange(0, BLOCK_HALF) < half
-    k_src = kv_ptr + tok * stride_kv + RANK
-    k1, k2 = _rotate(
-        tl.load(k_src + first, mask=pmask, other=0.0), tl.load(k_src + second, mask=pmask, other=0.0), cos, sin
-    )
-    k1, k2 = k1.to(x.dtype), k2.to(x.dtype)
-    tl.store(k_rope_ptr + tok * ROPE + first, k1, mask=pmask)
-    tl.store(k_rope_ptr + tok * ROPE + second, k2, mask=pmask)
-    kmask = pmask & in_cache
-    tl.store(cache_row + RANK + first, _to_cache(k1, kv_scale, CACHE_FP8, cache_dtype), mask=kmask)
-    tl.store(cache_row + RANK + second, _to_cache(k2, kv_scale, CACHE_FP8, cache_dtype), mask=kmask)
-    _rotate_q(q_ptr + tok * stride_qt, stride_qh, HEADS, cos, sin, first, second, pmask)
+    # Two independent halves in two programs: at decode sizes each is a chain of dependent
+    # memory round trips, and side by side they take the time of one.
+    if tl.program_id(1) == 0:
+        # The latent: RMSNorm, then to the returned tensor and the cache.
+        cols = tl.arange(0, BLOCK_RANK)
+        cmask = cols < RANK
+        x = tl.load(kv_ptr + tok * stride_kv + cols, mask=cmask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        latent = normalize_row(x.to(tl.float32), w, RANK, eps, x.dtype)
+        tl.store(latent_ptr + tok * RANK + cols, latent, mask=cmask)
+        tl.store(cache_row + cols, _to_cache(latent, kv_scale, CACHE_FP8, cache_dtype), mask=cmask & in_cache)
+    else:
+        # The rotary key, then q_rope with the same angles.
+        half: tl.constexpr = ROPE // 2
+        cos, sin = _cos_sin(tl.load(pos_ptr + tok), inv_freq_ptr, magnitude, half, BLOCK_HALF)
+        first, second = _pair_offsets(INTERLEAVED, half, BLOCK_HALF)
+        pmask = tl.arange(0, BLOCK_HALF) < half
+        k_src = kv_ptr + tok * stride_kv + RANK
+        k1 = tl.load(k_src + first, mask=pmask, other=0.0)
+        k2 = tl.load(k_src + second, mask=pmask, other=0.0)
+        r1, r2 = _rotate(k1, k2, cos, sin)
+        r1, r2 = r1.to(k1.dtype), r2.to(k1.dtype)
+        tl.store(k_rope_ptr + tok * ROPE + first, r1, mask=pmask)
+        tl.store(k_rope_ptr + tok * ROPE + second, r2, mask=pmask)
+        kmask = pmask & in_cache
+        tl.store(cache_row + RANK + first, _to_cache(r1, kv_scale, CACHE_FP8, cache_dtype), mask=kmask)
+        tl.store(cache_row + RANK + second, _to_cache(r2, kv_scale, CACHE_FP8, cache_dtype), mask=kmask)
+        _rotate_q(q_ptr + tok * stride_qt, stride_qh, HEADS, cos, sin, first, second, pmask)
 
 
 def _check(
@@ -170,7 +174,7 @@ def mla_rope_norm_store(
     latent = torch.empty(tokens, rank, dtype=kv.dtype, device=kv.device)
     k_rope = torch.empty(tokens, rope, dtype=kv.dtype, device=kv.device)
     if tokens:
-        _mla_prep_kernel[(tokens,)](
+        _mla_prep_kernel[(tokens, 2)](
             positions, q_rope, kv, norm_weight.contiguous(), inv_freq.float().contiguous(), flat,
             slot_mapping, latent, k_rope, q_rope.stride(0), q_rope.stride(1), kv.stride(0), flat.stride(0),
             float(eps), float(magnitude), float(kv_scale),

@@ -34,7 +34,6 @@ def _skinny_kernel(
     ATOMIC: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n block, batch, k split): acc[BLOCK_N, BLOCK_M] = W tile @ X^T over its K range."""
-    wait_for_prior_grid(PDL)
     b = tl.program_id(1).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -44,10 +43,18 @@ def _skinny_kernel(
     k_lo = tl.program_id(2) * K_PER_SPLIT
     w_ptrs = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk
     x_ptrs = x_ptr + b * stride_xb + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None] * stride_xk
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # The first weight tile is loaded before waiting on the previous kernel (weights are never a
+    # kernel's output), so under PDL it streams in while that kernel finishes.
+    k_ok = (k_lo + offs_k) < K
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_prior_grid(PDL)
+    xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+    acc = tl.dot(w.to(COMPUTE), xt.to(COMPUTE), input_precision=PRECISION)
     # Every split takes K_STEPS blocks; only the last one can run past K (masked unless EVEN_K).
     # K is a constexpr: it is fixed per weight, and the interpreter needs a plain loop bound.
-    for step in range(0, K_STEPS):
+    for step in range(1, K_STEPS):
+        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
@@ -56,8 +63,6 @@ def _skinny_kernel(
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(w.to(COMPUTE), xt.to(COMPUTE), acc, input_precision=PRECISION)
-        w_ptrs += BLOCK_K * stride_wk
-        x_ptrs += BLOCK_K * stride_xk
     out_ptrs = out_ptr + b * stride_ob + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
     mask = n_ok[:, None] & m_ok[None, :]
     if ATOMIC:
@@ -104,7 +109,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 def skinny_bmm(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
-    """out[b] = x[b] @ w[b]^T for x [B, M <= 64, K], w [B, N, K] (any strides), float32 accumulation."""
+    """out[b] = x[b] @ w[b]^T for x [B, M <= 64, K], w [B, N, K] (any strides), float32 accumulation.
+
+    `w` must be a weight, not the output of the kernel just before: it is read before the wait.
+    """
     _check(x, w, out)
     batch, m, k = x.shape
     n = w.shape[1]

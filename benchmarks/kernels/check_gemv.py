@@ -1,0 +1,90 @@
+"""The Triton GEMV against cuBLAS on DeepSeek-V2-Lite's decode projections, in a PDL chain.
+
+    python benchmarks/kernels/check_gemv.py [--rows 1,2,4,8] [--sweep]
+
+Each step is an RMSNorm (a PDL kernel, as in the model) followed by the projection, replayed from
+one CUDA graph over weight copies that exceed L2; the printed time is per (norm + projection).
+The GEMV prefetches its weights while the norm runs, which a standalone timing would not show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from moeserve.ops.triton.gemv import GemvConfig, fits, gemv, pick_config  # noqa: E402
+from moeserve.ops.triton.norm import rms_norm  # noqa: E402
+
+SHAPES = {"fused_qkv_a": (3648, 2048), "o_proj": (2048, 2048), "router": (64, 2048)}
+L2_BYTES = 256 * 2**20
+
+
+def chain_us(step, copies: int, reps: int = 2) -> float:
+    """Microseconds per step(i) for i over the weight copies, replayed from one CUDA graph."""
+    for i in range(copies):
+        step(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for i in range(copies):
+                step(i)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * copies))
+    return sorted(times)[2]
+
+
+def measure(name: str, n: int, k: int, rows_list: list[int], sweep: bool) -> None:
+    """One projection at each row count: norm alone, norm + cuBLAS, norm + GEMV (each config)."""
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    out_dtype = torch.float32 if name == "router" else torch.bfloat16
+    copies = max(4, min(64, L2_BYTES // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        norm_only = chain_us(lambda i, x=x: rms_norm(x, norm_w, 1e-6), copies)
+        if out_dtype == torch.float32:
+            cublas = chain_us(
+                lambda i, x=x: torch.mm(rms_norm(x, norm_w, 1e-6), ws[i].t(), out_dtype=out_dtype), copies
+            )
+        else:
+            cublas = chain_us(lambda i, x=x: F.linear(rms_norm(x, norm_w, 1e-6), ws[i]), copies)
+        configs = [pick_config(n, k)]
+        if sweep:
+            configs += [GemvConfig(b, w) for b in (2, 4, 8, 16) for w in (4, 8) if GemvConfig(b, w) != configs[0]]
+        row = [] if fits(x, ws[0]) else ["(past the GEMV's rows x N limit)"]
+        for c in configs if not row else []:
+            us = chain_us(lambda i, x=x, c=c: gemv(rms_norm(x, norm_w, 1e-6), ws[i], None, out_dtype, config=c), copies)
+            row.append(f"bn{c.block_n}w{c.num_warps}={us:.2f}")
+        print(
+            f"{name:12s} rows={rows}  norm {norm_only:.2f}  norm+cuBLAS {cublas:.2f}  norm+gemv {' '.join(row)}"
+            f"  (weight stream {n * k * 2 / 4.26e6:.2f} us)",
+            flush=True,
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
+    for name, (n, k) in SHAPES.items():
+        measure(name, n, k, [int(r) for r in a.rows.split(",")], a.sweep)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The Triton GEMV (decode-size dense projections) agrees with F.linear in float32.
+
+Without CUDA it runs in Triton's CPU interpreter at small shapes; the `gpu` tests use
+DeepSeek-V2-Lite's decode projections and router in bfloat16 on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.ops.triton.gemv import MAX_ROWS, GemvConfig, fits, gemv, linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rand(gen: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize(("n", "k", "block_n"), [(40, 64, 8), (37, 72, 4), (5, 24, 2)])
+def test_matches_float32_linear(rows, n, k, block_n):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x, w, bias = rand(gen, rows, k), rand(gen, n, k), rand(gen, n)
+    got = gemv(x, w, config=GemvConfig(block_n=block_n))
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    got = gemv(x, w, bias, config=GemvConfig(block_n=block_n))
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_strided_rows_and_the_default_config():
+    gen = torch.Generator().manual_seed(7)
+    wide = rand(gen, 4, 100)
+    x = wide[:, 10:74]  # row stride 100: a column slice, as attention's flattened heads may be
+    w = rand(gen, 48, 64)
+    torch.testing.assert_close(gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_falls_back_past_the_gemv_and_rejects_what_it_cannot_take():
+    gen = torch.Generator().manual_seed(8)
+    w = rand(gen, 16, 32)
+    many = rand(gen, MAX_ROWS + 1, 32)
+    assert not fits(many, w)
+    assert fits(rand(gen, 2, 32), rand(gen, 4096, 32)) and not fits(rand(gen, 3, 32), rand(gen, 4096, 32))
+    torch.testing.assert_close(linear(many, w), F.linear(many, w))
+    with pytest.raises(ValueError, match="not a supported GEMV"):
+        gemv(many, w)
+    with pytest.raises(ValueError, match="not a supported GEMV"):
+        gemv(rand(gen, 2, 31), w)
+
+
+# --- GPU: DeepSeek-V2-Lite decode shapes in bfloat16 --------------------------------------------
+
+SHAPES = {"fused_qkv_a": (3648, 2048), "o_proj": (2048, 2048), "router": (64, 2048), "odd": (1000, 1500)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_gpu_projections_match_cublas(name, rows):
+    n, k = SHAPES[name]
+    gen = torch.Generator().manual_seed(hash(name) % 1000 + rows)
+    x = rand(gen, rows, k, dtype=torch.bfloat16)
+    w = (rand(gen, n, k) * 0.02).bfloat16()
+    want = x.float() @ w.float().t()
+    got = linear(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    got32 = linear(x, w, out_dtype=torch.float32)  # the router's exact-product float32 logits
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_in_a_cuda_graph_reads_new_inputs():
+    """Captured once, replayed on new activations: the result follows x (weights are prefetched)."""
+    gen = torch.Generator().manual_seed(11)
+    w = (rand(gen, 3648, 2048) * 0.02).bfloat16()
+    x = rand(gen, 1, 2048, dtype=torch.bfloat16)
+    norm_w = torch.ones(2048, device=DEVICE, dtype=torch.bfloat16)
+    from moeserve.ops.triton.norm import rms_norm
+
+    rms_norm(x, norm_w, 1e-6), linear(x, w)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(rms_norm(x, norm_w, 1e-6), w)  # a PDL kernel right before the GEMV
+    for seed in range(3):
+        x.copy_(torch.randn(1, 2048, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        want = F.linear(rms_norm(x, norm_w, 1e-6).float(), w.float())
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
