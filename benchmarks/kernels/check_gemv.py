@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_attention import time_us  # noqa: E402
 
 from moeserve.ops.triton.gemv import GemvConfig, fits, gemv, pick_config  # noqa: E402
 from moeserve.ops.triton.norm import rms_norm  # noqa: E402
@@ -26,26 +28,9 @@ SHAPES = {"fused_qkv_a": (3648, 2048), "o_proj": (2048, 2048), "router": (64, 20
 L2_BYTES = 256 * 2**20
 
 
-def chain_us(step, copies: int, reps: int = 2) -> float:
-    """Microseconds per step(i) for i over the weight copies, replayed from one CUDA graph."""
-    for i in range(copies):
-        step(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for i in range(copies):
-                step(i)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * copies))
-    return sorted(times)[2]
+def chain_us(step, copies: int) -> float:
+    """Microseconds per step(i), i running over the weight copies, from one replayed CUDA graph."""
+    return time_us(lambda: [step(i) for i in range(copies)], iters=2) / copies
 
 
 def measure(name: str, n: int, k: int, rows_list: list[int], sweep: bool) -> None:

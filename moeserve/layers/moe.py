@@ -30,15 +30,13 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Products of two bf16 (or fp16) values are exact in float32, so a half-precision GEMM that
     accumulates and writes float32 gives the reference's result without casting either operand.
     """
-    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
-        if x.shape[0] <= GEMV_ROUTER_MAX_TOKENS:
-            return ops.linear(x, weight, out_dtype=torch.float32)
-        if x.shape[0] <= SKINNY_ROUTER_MAX_TOKENS:
-            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-            ops.skinny_bmm(x.unsqueeze(0), weight.unsqueeze(0), out.unsqueeze(0))
-            return out
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x.float(), weight.float())
+    rows = x.shape[0]
+    half = x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    if x.is_cuda and half and GEMV_ROUTER_MAX_TOKENS < rows <= SKINNY_ROUTER_MAX_TOKENS:
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=x.device)
+        ops.skinny_bmm(x.unsqueeze(0), weight.unsqueeze(0), out.unsqueeze(0))
+        return out
+    return ops.linear(x, weight, out_dtype=torch.float32)
 
 
 class Router(nn.Module):

@@ -62,6 +62,18 @@ def select_experts(
     return weights, ids
 
 
+def _weighted_outputs(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+):
+    """Per expert used: (token rows, their slots, routing weight * expert output in float32)."""
+    inter = w2.shape[-1]
+    for expert in topk_ids.unique().tolist():
+        rows, slot = torch.where(topk_ids == expert)
+        gate_up = F.linear(hidden[rows], w13[expert])
+        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])
+        yield rows, slot, y.float() * topk_weights[rows, slot, None]
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -76,28 +88,11 @@ def fused_moe(
     With sum_slots False the weighted per-expert outputs come back unsummed, [T, k, H].
     """
     if not sum_slots:
-        return _per_slot(hidden, w13, w2, topk_weights, topk_ids)
+        parts = hidden.new_empty(*topk_ids.shape, hidden.shape[1])
+        for rows, slot, y in _weighted_outputs(hidden, w13, w2, topk_weights, topk_ids):
+            parts[rows, slot] = y.to(hidden.dtype)
+        return parts
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    inter = w2.shape[-1]
-    for expert in topk_ids.unique().tolist():
-        rows, slot = torch.where(topk_ids == expert)
-        x = hidden[rows]
-        gate_up = F.linear(x, w13[expert])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[expert])
-        out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None])
+    for rows, _, y in _weighted_outputs(hidden, w13, w2, topk_weights, topk_ids):
+        out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
-
-
-def _per_slot(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
-    """[T, k, H]: routing weight * expert output for every (token, slot)."""
-    out = hidden.new_empty(*topk_ids.shape, hidden.shape[1])
-    inter = w2.shape[-1]
-    for expert in topk_ids.unique().tolist():
-        rows, slot = torch.where(topk_ids == expert)
-        gate_up = F.linear(hidden[rows], w13[expert])
-        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])
-        out[rows, slot] = (y.float() * topk_weights[rows, slot, None]).to(hidden.dtype)
-    return out

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.ops.reference.linear import linear as reference_linear
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 MAX_ROWS = 8
@@ -113,6 +114,8 @@ def linear(
         return gemv(x, weight, bias, out_dtype)
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight, bias)
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return reference_linear(x, weight, bias, out_dtype)
     # Half-precision operands accumulate and write out_dtype directly: no widened copies.
     out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype).view(*x.shape[:-1], -1)
     return out if bias is None else out + bias.to(out_dtype)
