@@ -148,16 +148,8 @@ def parity_graphs(results: list) -> None:
 
 
 def graph_time_us(fn, flush: torch.Tensor, iters: int = 30) -> float:
-    """Median us of `fn` captured in a CUDA graph (no launch gaps), L2 flushed before each replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return tune_moe.time_us(graph.replay, iters, flush)
+    """Median us of `fn` replayed from a CUDA graph (tune_moe.time_us captures), L2 flushed before each."""
+    return tune_moe.time_us(fn, iters, flush)
 
 
 def _time_one(tokens: int, shape: dict, weights: tuple, ceilings: dict, flush, configs: dict | None) -> dict:

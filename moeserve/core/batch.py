@@ -85,6 +85,7 @@ class ForwardBatch:
     extend_kv_start_loc: torch.Tensor | None = None  # [E + 1] int32, cumulative extend seq_lens
     max_extend_len: int = 0
     max_extend_seq_len: int = 0
+    extend_kv_total: int | None = None  # sum of the extend rows' seq_lens when known on the host
     extend_has_prefix: bool = False
     # The extend rows' block table and seq_lens in their own allocations: slices past the decode
     # rows would start at unaligned addresses, for which Triton compiles other kernel variants.

@@ -132,6 +132,7 @@ class ModelRunner:
             extend_kv_start_loc=self._int32([0, total]),
             max_extend_len=new,
             max_extend_seq_len=total,
+            extend_kv_total=total,
             extend_has_prefix=prefix > 0,
         )
         fb.extend_block_table, fb.extend_seq_lens_t = fb.block_table, fb.seq_lens_t
@@ -246,6 +247,7 @@ class ModelRunner:
         fb.extend_kv_start_loc = self._int32([0, *np.cumsum(ext_s).tolist()])
         fb.max_extend_len = max(ext_q)
         fb.max_extend_seq_len = max(ext_s)
+        fb.extend_kv_total = int(sum(ext_s))
         fb.extend_has_prefix = any(ext_p)
 
     def _logits(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

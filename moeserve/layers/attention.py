@@ -140,7 +140,8 @@ class MLAAttention(nn.Module):
             assert batch.extend_block_table is not None and batch.extend_seq_lens_t is not None
             cu_k, max_kv = batch.extend_kv_start_loc, batch.max_extend_seq_len
             kv = ops.gather_kv(
-                cache, batch.extend_block_table, batch.extend_seq_lens_t, cu_k, q.dtype, batch.kv_cache.kv_scale
+                cache, batch.extend_block_table, batch.extend_seq_lens_t, cu_k, q.dtype, batch.kv_cache.kv_scale,
+                total=batch.extend_kv_total,
             )
             latent, k_rope = kv[:, : self.kv_lora_rank], kv[:, self.kv_lora_rank :]
         kv_b = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)

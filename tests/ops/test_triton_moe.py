@@ -23,6 +23,10 @@ def _gemm(bn: int, bk: int, stages: int = 2) -> dict:
     return {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 2, "num_warps": 4, "num_stages": stages}
 
 
+def _tma(bn: int, bk: int) -> dict:
+    return {**_gemm(bn, bk), "TMA": True}
+
+
 # Every grouping and tile mode, with tiles that do not divide the tiny test shapes.
 CONFIGS = {
     "dense-gemv": {"DENSE": True, "MODE": "gemv", "BLOCK_M": 8, "up": _gemm(16, 32), "down": _gemm(32, 16)},
@@ -30,6 +34,10 @@ CONFIGS = {
     "sorted-gemv": {"DENSE": False, "MODE": "gemv", "BLOCK_M": 2, "up": _gemm(16, 32), "down": _gemm(32, 16)},
     "sorted-swap": {"DENSE": False, "MODE": "swap", "BLOCK_M": 16, "up": _gemm(16, 32), "down": _gemm(32, 16)},
     "sorted-dot": {"DENSE": False, "MODE": "dot", "BLOCK_M": 32, "up": _gemm(16, 16), "down": _gemm(32, 32)},
+    # Weight tiles through TMA descriptors; up tiles of 16 overrun INTER = 24 into the up rows.
+    "dense-swap-tma": {"DENSE": True, "MODE": "swap", "BLOCK_M": 16, "up": _tma(16, 32), "down": _tma(32, 16)},
+    "sorted-swap-tma": {"DENSE": False, "MODE": "swap", "BLOCK_M": 16, "up": _tma(16, 32), "down": _gemm(32, 16)},
+    "sorted-dot-tma": {"DENSE": False, "MODE": "dot", "BLOCK_M": 32, "up": _tma(16, 16), "down": _tma(32, 32)},
 }
 
 
@@ -117,6 +125,9 @@ def test_moe_align_one_expert_takes_all(poisoned):
         ("sorted-swap", 3, "random", torch.int32),
         ("sorted-dot", 21, "random", torch.int32),
         ("sorted-dot", 19, "all-experts", torch.int64),
+        ("dense-swap-tma", 7, "random", torch.int32),
+        ("sorted-swap-tma", 13, "one-expert", torch.int64),
+        ("sorted-dot-tma", 21, "all-experts", torch.int32),
     ],
 )
 def test_fused_moe_matches_reference_fp32(name, tokens, pattern, ids_dtype, poisoned):

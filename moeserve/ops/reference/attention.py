@@ -52,9 +52,13 @@ def gather_kv(
     cu_seqlens: torch.Tensor,
     out_dtype: torch.dtype,
     kv_scale: float = 1.0,
+    total: int | None = None,
 ) -> torch.Tensor:
-    """Each sequence's cached rows in token order, packed: [sum(seq_lens), kv_cache_dim]."""
-    total = int(cu_seqlens[-1])
+    """Each sequence's cached rows in token order, packed: [sum(seq_lens), kv_cache_dim].
+
+    `total` is sum(seq_lens) when the caller knows it on the host (it must be right).
+    """
+    total = int(cu_seqlens[-1]) if total is None else total
     out = torch.empty(total, kv_cache.shape[-1], dtype=out_dtype, device=kv_cache.device)
     for b, (start, seq_len) in enumerate(zip(cu_seqlens[:-1].tolist(), seq_lens.tolist(), strict=True)):
         out[start : start + seq_len] = _gather_one(kv_cache, block_table[b], seq_len, kv_scale).to(out_dtype)

@@ -10,6 +10,9 @@ Two ways to group tokens (chosen per call by `moe_config`):
 Tiles are multiplied three ways (`MODE`): `dot` (tl.dot, tokens on the MMA's M side), `swap`
 (seed 002's swapAB: weight rows on M, tokens on N, for 16-32 tokens an expert) and `gemv` (no
 tl.dot; multiply-reduce one row at a time, for 1-8 rows, where an MMA tile would be mostly padding).
+A GEMM's config may ask for `TMA`: its weight tiles then arrive by bulk tensor copies from a
+descriptor (Hopper's tensor-memory accelerator) instead of per-thread loads, which lifts the
+compute-bound prefill sizes; the gathered token rows are always ordinary loads.
 The per-(token, slot) results are summed over top-k by a small kernel rather than atomics:
 deterministic, and no zero-fill or fp32 scratch the size of the output. A caller that adds a
 residual and normalises next can take them unsummed (`sum_slots=False`) and let the fused
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeserve.ops.triton.moe_align import moe_align
 from moeserve.ops.triton.moe_config import Config, get_config, validate_config
@@ -104,28 +108,82 @@ def _tile_matmul(x_ptr, x_rows, x_mask, w_ptr, w_rows, w_mask,
     return acc
 
 
+@triton.jit
+def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
+                     K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TWO: tl.constexpr):
+    """(acc_a, acc_b) fp32 [BLOCK_M, BLOCK_N] = X[x_rows] @ W[row_a + n]^T (and W[row_b + n]^T when TWO).
+
+    Weight tiles come through the tensor-memory accelerator (one bulk copy a tile, no address
+    arithmetic per thread); the gathered token rows still use ordinary loads.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    if MODE == 1:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros_like(acc_a)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        wa = w_desc.load([row_a, k0])
+        if TWO:
+            wb = w_desc.load([row_b, k0])
+        if MODE == 1:
+            xt = tl.load(x_ptr + x_rows[None, :] + (k0 + offs_k)[:, None], mask=x_mask[None, :] & k_ok[:, None], other=0.0)
+            if PRECISION == "ieee":
+                wa, xt = wa.to(tl.float32), xt.to(tl.float32)
+            acc_a = tl.dot(wa, xt, acc_a, input_precision=PRECISION)
+            if TWO:
+                if PRECISION == "ieee":
+                    wb = wb.to(tl.float32)
+                acc_b = tl.dot(wb, xt, acc_b, input_precision=PRECISION)
+        else:
+            x = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=x_mask[:, None] & k_ok[None, :], other=0.0)
+            if PRECISION == "ieee":
+                x, wa = x.to(tl.float32), wa.to(tl.float32)
+            acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
+            if TWO:
+                if PRECISION == "ieee":
+                    wb = wb.to(tl.float32)
+                acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
+    if MODE == 1:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
+    return acc_a, acc_b
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_m"])
 def _moe_up_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_m,
     stride_xt, stride_we, stride_wn, stride_at,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
     DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """act[pair, n] = silu(x @ gate_n) * (x @ up_n) for one block of pairs and BLOCK_N columns."""
+    """act[pair, n] = silu(x @ gate_n) * (x @ up_n) for one block of pairs and BLOCK_N columns.
+
+    With TMA, `w_ptr` is a descriptor over the weights as [E * 2I, H] rows.
+    """
     wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                                        TOPK, K_PAD, DENSE, BLOCK_M)
     if expert < 0:
         return
-    # Gate and up rows interleaved so one MMA of 2 * BLOCK_N rows computes both; split after.
-    r = tl.arange(0, 2 * BLOCK_N)
-    n = pid_n * BLOCK_N + r // 2
-    w_rows = ((r % 2) * INTER + n).to(tl.int64) * stride_wn
-    acc = _tile_matmul(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr + expert * stride_we, w_rows,
-                       n < INTER, HIDDEN, MODE, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
-    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    if TMA:
+        # A last tile past INTER reads the next rows (up, or zeros past the end); those columns are not stored.
+        gate_row = (expert * 2 * INTER + pid_n * BLOCK_N).to(tl.int32)
+        gate, up = _tile_matmul_tma(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr, gate_row, gate_row + INTER,
+                                    HIDDEN, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, True)
+    else:
+        # Gate and up rows interleaved so one MMA of 2 * BLOCK_N rows computes both; split after.
+        r = tl.arange(0, 2 * BLOCK_N)
+        n = pid_n * BLOCK_N + r // 2
+        w_rows = ((r % 2) * INTER + n).to(tl.int64) * stride_wn
+        acc = _tile_matmul(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr + expert * stride_we, w_rows,
+                           n < INTER, HIDDEN, MODE, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     act = gate * tl.sigmoid(gate) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ptrs = act_ptr + flat[:, None] * stride_at + cols[None, :]
@@ -138,9 +196,13 @@ def _moe_down_kernel(
     stride_at, stride_we, stride_wn, stride_ot,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
     DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """out[pair, n] = weight[pair] * (act[pair] @ down_n) for one block of pairs and BLOCK_N columns."""
+    """out[pair, n] = weight[pair] * (act[pair] @ down_n) for one block of pairs and BLOCK_N columns.
+
+    With TMA, `w_ptr` is a descriptor over the weights as [E * H, I] rows.
+    """
     wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
@@ -148,8 +210,13 @@ def _moe_down_kernel(
     if expert < 0:
         return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _tile_matmul(act_ptr, flat * stride_at, row_ok, w_ptr + expert * stride_we, n.to(tl.int64) * stride_wn,
-                       n < HIDDEN, INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if TMA:
+        row = (expert * HIDDEN + pid_n * BLOCK_N).to(tl.int32)
+        acc, _ = _tile_matmul_tma(act_ptr, flat * stride_at, row_ok, w_ptr, row, row,
+                                  INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False)
+    else:
+        acc = _tile_matmul(act_ptr, flat * stride_at, row_ok, w_ptr + expert * stride_we,
+                           n.to(tl.int64) * stride_wn, n < HIDDEN, INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     acc *= tl.load(weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
     ptrs = out_ptr + flat[:, None] * stride_ot + n[None, :]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (n[None, :] < HIDDEN))
@@ -207,9 +274,24 @@ def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor) -> dict:
         "TOPK": plan.topk, "K_PAD": triton.next_power_of_2(plan.topk), "DENSE": plan.config["DENSE"],
         "MODE": _MODE_IDS[plan.config["MODE"]], "BLOCK_M": plan.config["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"],
         "BLOCK_K": gemm["BLOCK_K"], "GROUP_M": 1 if plan.config["DENSE"] else gemm["GROUP_M"],
-        "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None,
+        "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None, "TMA": gemm.get("TMA", False),
         "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"], **pdl_launch(x),
     }
+
+
+def _weights_arg(w: torch.Tensor, args: dict) -> torch.Tensor | TensorDescriptor:
+    """The weights as the kernel takes them: a pointer, or with TMA a descriptor over [E * N, K] rows.
+
+    TMA needs experts packed back to back and 16-byte aligned rows; weights that are not get
+    pointer loads (args["TMA"] is switched off).
+    """
+    row_bytes = w.stride(1) * w.element_size()
+    packed = w.stride(0) == w.shape[1] * w.stride(1) and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
+    if not args["TMA"] or not packed:
+        args["TMA"] = False
+        return w
+    rows = w.view(-1, w.shape[2])
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [args["BLOCK_N"], args["BLOCK_K"]])
 
 
 def _launch(kernel, grid: tuple[int], compile_only: bool, *args, **kwargs) -> None:
@@ -225,10 +307,11 @@ def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_onl
     inter = w13.shape[1] // 2
     act = torch.empty(plan.num_tokens * plan.topk, inter, dtype=hidden.dtype, device=hidden.device)
     args = _launch_args(plan, "up", hidden)
+    weights = _weights_arg(w13, args)  # may switch args["TMA"] off
     grid = (plan.num_m * triton.cdiv(inter, args["BLOCK_N"]),)
     _launch(
         _moe_up_kernel, grid, compile_only,
-        hidden, w13, act, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
+        hidden, weights, act, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), INTER=inter, HIDDEN=hidden.shape[1], **args,
     )
     return act
@@ -239,10 +322,11 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only:
     hidden_size = w2.shape[1]
     out = torch.empty(act.shape[0], hidden_size, dtype=act.dtype, device=act.device)
     args = _launch_args(plan, "down", act)
+    weights = _weights_arg(w2, args)  # may switch args["TMA"] off
     grid = (plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"]),)
     _launch(
         _moe_down_kernel, grid, compile_only,
-        act, w2, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
+        act, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), INTER=act.shape[1], HIDDEN=hidden_size, **args,
     )
     return out

@@ -47,6 +47,7 @@ def gather_kv(
     cu_seqlens: torch.Tensor,
     out_dtype: torch.dtype,
     kv_scale: float = 1.0,
+    total: int | None = None,
 ) -> torch.Tensor:
     """Each sequence's cached rows in token order, packed: [sum(seq_lens), kv_cache_dim]."""
     if kv_cache.dim() != 3 or kv_cache.stride(-1) != 1:
@@ -56,8 +57,10 @@ def gather_kv(
         raise ValueError(
             f"gather_kv: {batch} seq_lens but {block_table.shape[0]} block-table rows and {cu_seqlens.shape[0]} cu_seqlens"
         )
-    # The one host read: the output's size (prefill is not captured in a CUDA graph).
-    total = int(cu_seqlens[-1])
+    if total is None:
+        # A device read, which stalls the host until the GPU catches up: callers that know the
+        # size pass it (the model runner does), so prefill launches run ahead of the GPU.
+        total = int(cu_seqlens[-1])
     width = kv_cache.shape[-1]
     out = torch.empty(total, width, dtype=out_dtype, device=kv_cache.device)
     if total == 0:

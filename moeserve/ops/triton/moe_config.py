@@ -26,7 +26,7 @@ CONFIG_DIR_ENV = "MOESERVE_MOE_CONFIG_DIR"
 MODES = ("gemv", "swap", "dot")
 # The dense path computes every token against each hit expert; past this it wastes too much.
 DENSE_MAX_TOKENS = 16
-GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")  # and optional "TMA" (default off)
 
 Config = dict[str, Any]
 
@@ -104,6 +104,8 @@ def validate_config(config: Config, tokens: int) -> str | None:
             return f"{part} needs keys {GEMM_KEYS}"
         if config["MODE"] != "gemv" and min(gemm["BLOCK_N"], gemm["BLOCK_K"]) < 16:
             return "tl.dot needs BLOCK_N and BLOCK_K >= 16"
+        if gemm.get("TMA") and config["MODE"] == "gemv":
+            return "TMA weight tiles feed tl.dot: not with MODE gemv"
     return None
 
 

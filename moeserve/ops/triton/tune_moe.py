@@ -47,7 +47,9 @@ def candidate_groupings(tokens: int, experts: int, topk: int, quick: bool) -> li
     if 0.5 <= per_expert <= 64:
         out += [(False, "swap", bm) for bm in (16, 32) if bm <= 4 * per_expert + 16]
     if per_expert >= 4:
-        out += [(False, "dot", bm) for bm in (16, 32, 64, 128) if 2 * per_expert >= bm >= min(64, per_expert / 2)]
+        # Up to 4x the mean load: fused shared experts see every token, and one bigger block
+        # reads their weights fewer times (on H200 at 256 tokens, 64 beat 32 by 15 us a layer).
+        out += [(False, "dot", bm) for bm in (16, 32, 64, 128) if 4 * per_expert >= bm >= min(64, per_expert / 2)]
     if quick and len(out) > 3:
         out = out[:1] + out[-2:]
     return [{"DENSE": d, "MODE": m, "BLOCK_M": bm} for d, m, bm in out]
@@ -73,7 +75,7 @@ def _fits(mode: str, rows: int, bn: int, bk: int, bm: int, stages: int, itemsize
     return smem <= _SMEM_BYTES and rows * bn * bm // 256 <= 128
 
 
-def candidate_gemms(grouping: Config, part: str, itemsize: int, quick: bool) -> list[dict]:
+def candidate_gemms(grouping: Config, part: str, itemsize: int, quick: bool, tma: bool = False) -> list[dict]:
     """Tile shapes for one GEMM ('up' or 'down') under a grouping, pruned by shared memory."""
     mode, bm = grouping["MODE"], grouping["BLOCK_M"]
     rows = 2 if part == "up" else 1  # the up tile holds gate and up rows
@@ -90,18 +92,35 @@ def candidate_gemms(grouping: Config, part: str, itemsize: int, quick: bool) -> 
             continue
         warps = 8 if rows * bn * bm // 128 > 64 else 4
         cands.append(_gemm(bn, bk, warps, stages, 8 if mode == "dot" else 1))
+        if mode == "dot" and tma:
+            # Weight tiles by TMA: H200 prefill (8192 tokens) 12-14% faster; decode sizes about even.
+            cands.append({**cands[-1], "TMA": True})
     return cands
 
 
 def time_us(fn, iters: int, flush: torch.Tensor | None) -> float:
-    """Median microseconds of `fn`, with L2 flushed before each call on the GPU."""
-    fn()
+    """Median GPU microseconds of `fn`, with L2 flushed before each call on the GPU.
+
+    On the GPU `fn` is captured in a CUDA graph and replayed, as the model runs it: timing eager
+    calls would measure the host's launch overhead for multi-kernel steps such as the routing.
+    """
     if flush is None:  # the interpreter: wall clock, only for smoke tests
+        fn()
         start = time.perf_counter()
         for _ in range(iters):
             fn()
         return (time.perf_counter() - start) / iters * 1e6
+    # Warm up (compile, lazy library set-up) on a side stream, as graph capture wants.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    fn = graph.replay
     events = []
     for _ in range(iters):
         flush.zero_()
@@ -153,8 +172,9 @@ def tune_grouping(grouping: Config, inputs: dict, search: dict, flush) -> tuple[
     """Best tiles for both GEMMs under one grouping -> (full config, timings in us)."""
     hidden, w13, w2 = inputs["hidden"], inputs["w13"], inputs["w2"]
     item, quick, cap, iters = hidden.element_size(), search["quick"], search["max_candidates"], search["iters"]
-    ups = candidate_gemms(grouping, "up", item, quick)[:cap]
-    downs = candidate_gemms(grouping, "down", item, quick)[:cap]
+    tma = hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) >= (9, 0)
+    ups = candidate_gemms(grouping, "up", item, quick, tma)[:cap]
+    downs = candidate_gemms(grouping, "down", item, quick, tma)[:cap]
     skeleton = {**grouping, "up": ups[0], "down": downs[0]}
     route = lambda: plan_route(inputs["weights"], inputs["ids"], w13.shape[0], skeleton)  # noqa: E731
     plan = route()
