@@ -1,0 +1,87 @@
+"""Is a step host- or GPU-bound? Each step's host parts and the GPU span of what it launched.
+
+    python benchmarks/step_parts.py MODEL_DIR
+
+A fresh engine (the suite's settings) runs a warm-up b256 batch (ISL 1024, 4 tokens), then the
+b256 latency batch; for its first 46 steps it prints the step's wall time split into schedule /
+launch / collect / update, and the span between CUDA events recorded around the step's launch.
+Walls that add up to more than the spans mean the GPU waited on the host.
+"""
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moeserve import SamplingParams  # noqa: E402
+from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.config.engine_config import EngineConfig  # noqa: E402
+from moeserve.engine.engine import EngineCore  # noqa: E402
+
+core = EngineCore(EngineConfig(model=sys.argv[1], max_model_len=4096, mem_fraction_static=0.9, max_num_seqs=1024,
+                               cuda_graph_max_bs=1024))
+parts = {}
+
+
+def timed(obj, name, key):
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        r = fn(*a, **k)
+        parts[key] = parts.get(key, 0.0) + (time.perf_counter() - t) * 1000
+        return r
+    setattr(obj, name, wrapper)
+
+
+timed(core.scheduler, "schedule", "sched")
+timed(core.scheduler, "update", "update")
+timed(core.runner, "collect", "collect")
+launch = core.runner.launch
+gpu = []
+
+
+def ev_launch(batch):
+    t = time.perf_counter()
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    h = launch(batch)
+    b.record()
+    parts["launch"] = parts.get("launch", 0.0) + (time.perf_counter() - t) * 1000
+    gpu.append((a, b, sum(it.num_new_tokens for it in batch.items), len(batch.items)))
+    return h
+
+
+core.runner.launch = ev_launch
+
+
+def run(bs, out_len, seed, tag):
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(bs, 1024, core.model_config.vocab_size, seed)):
+        core.add_request(f"{tag}-{i}", p, params)
+    rows = []
+    step = 0
+    while core.has_unfinished_requests():
+        parts.clear()
+        n0 = len(gpu)
+        t = time.perf_counter()
+        core.step()
+        wall = (time.perf_counter() - t) * 1000
+        rows.append((step, wall, dict(parts), n0))
+        step += 1
+        if step > 45:
+            break
+    torch.cuda.synchronize()
+    for step, wall, p, n0 in rows:
+        g = gpu[n0] if n0 < len(gpu) else None
+        gms = g[0].elapsed_time(g[1]) if g else 0
+        print(f"{tag} step {step:3d} wall {wall:6.1f} | " + " ".join(f"{k} {v:5.1f}" for k, v in p.items())
+              + f" | launched {g[2] if g else 0} tok {g[3] if g else 0} rows, its GPU {gms:6.1f} ms", flush=True)
+    while core.has_unfinished_requests():
+        core.step()
+
+
+run(256, 4, 1, "warm")
+run(256, 256, 0, "timed")
