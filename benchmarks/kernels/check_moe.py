@@ -147,17 +147,12 @@ def parity_graphs(results: list) -> None:
         _graph_case(tokens, w13, w2, results)
 
 
-def graph_time_us(fn, flush: torch.Tensor, iters: int = 30) -> float:
-    """Median us of `fn` replayed from a CUDA graph (tune_moe.time_us captures), L2 flushed before each."""
-    return tune_moe.time_us(fn, iters, flush)
-
-
 def _time_one(tokens: int, shape: dict, weights: tuple, ceilings: dict, flush, configs: dict | None) -> dict:
     w13, w2 = weights
     x, w, ids = make_batch(tokens, shape)
     experts, topk = shape["experts"], shape["topk"]
     config = pick_config(configs, tokens, experts, topk) if configs else get_config(x, w13, topk)
-    us = graph_time_us(lambda: fused_moe(x, w13, w2, w, ids, config=config), flush)
+    us = tune_moe.time_us(lambda: fused_moe(x, w13, w2, w, ids, config=config), 30, flush)
     plan = plan_route(w, ids, experts, config)
     act = moe_up(x, w13, plan)
     out = moe_down(act, w2, plan)
@@ -186,8 +181,8 @@ def _time_route_one(name: str, tokens: int, flush) -> dict:
     experts, kwargs = ROUTING[name]
     bias = torch.randn(experts, device="cuda") if kwargs["topk_method"] == "noaux_tc" else None
     logits = torch.randn(tokens, experts, device="cuda")
-    tri = graph_time_us(lambda: select_experts(logits, correction_bias=bias, **kwargs), flush)
-    torch_us = graph_time_us(lambda: ref.select_experts(logits, correction_bias=bias, **kwargs), flush)
+    tri = tune_moe.time_us(lambda: select_experts(logits, correction_bias=bias, **kwargs), 30, flush)
+    torch_us = tune_moe.time_us(lambda: ref.select_experts(logits, correction_bias=bias, **kwargs), 30, flush)
     return {"variant": name, "tokens": tokens, "triton_us": tri, "torch_us": torch_us}
 
 

@@ -161,6 +161,17 @@ def test_fused_moe_unsummed_parts_match_reference(name, poisoned):
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0], sum_slots=False).shape == (0, 3, 40)
 
 
+def test_tma_config_falls_back_on_weights_tma_cannot_read(poisoned):
+    """Experts not packed back to back (a slice of wider rows): the TMA config runs on pointer loads."""
+    x, w13, w2, weights, ids = make_case(13, 6, 40, 24, 3, torch.float32, "random", seed=4)
+    wide = torch.zeros(6, 2 * 24 + 8, 40, device=DEVICE)
+    wide[:, : 2 * 24] = w13
+    unpacked = wide[:, : 2 * 24]
+    assert unpacked.stride(0) != unpacked.shape[1] * unpacked.stride(1)
+    got = fused_moe(x, unpacked, w2, weights, ids, config=CONFIGS["sorted-dot-tma"])
+    assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < 3e-5
+
+
 def test_fused_moe_top1_and_empty_batch():
     x, w13, w2, weights, ids = make_case(4, 3, 16, 16, 1, torch.float32, "random", seed=1)
     want = ref.fused_moe(x, w13, w2, weights, ids)

@@ -268,27 +268,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor) -> dict:
+def _tma_ready(w: torch.Tensor) -> bool:
+    """Whether TMA can read these expert weights: experts packed back to back, 16-byte aligned rows."""
+    row_bytes = w.stride(1) * w.element_size()
+    return w.stride(0) == w.shape[1] * w.stride(1) and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor, w: torch.Tensor) -> dict:
     gemm = plan.config[part]
     return {
         "TOPK": plan.topk, "K_PAD": triton.next_power_of_2(plan.topk), "DENSE": plan.config["DENSE"],
         "MODE": _MODE_IDS[plan.config["MODE"]], "BLOCK_M": plan.config["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"],
         "BLOCK_K": gemm["BLOCK_K"], "GROUP_M": 1 if plan.config["DENSE"] else gemm["GROUP_M"],
-        "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None, "TMA": gemm.get("TMA", False),
+        "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None,
+        # Weights TMA cannot read get pointer loads even when the config asks for TMA.
+        "TMA": bool(gemm.get("TMA", False)) and _tma_ready(w),
         "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"], **pdl_launch(x),
     }
 
 
 def _weights_arg(w: torch.Tensor, args: dict) -> torch.Tensor | TensorDescriptor:
-    """The weights as the kernel takes them: a pointer, or with TMA a descriptor over [E * N, K] rows.
-
-    TMA needs experts packed back to back and 16-byte aligned rows; weights that are not get
-    pointer loads (args["TMA"] is switched off).
-    """
-    row_bytes = w.stride(1) * w.element_size()
-    packed = w.stride(0) == w.shape[1] * w.stride(1) and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
-    if not args["TMA"] or not packed:
-        args["TMA"] = False
+    """The weights as the kernel takes them: a pointer, or with TMA a descriptor over [E * N, K] rows."""
+    if not args["TMA"]:
         return w
     rows = w.view(-1, w.shape[2])
     return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [args["BLOCK_N"], args["BLOCK_K"]])
@@ -306,8 +307,8 @@ def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_onl
     """[T * k, I] silu(gate) * up for every (token, slot) pair."""
     inter = w13.shape[1] // 2
     act = torch.empty(plan.num_tokens * plan.topk, inter, dtype=hidden.dtype, device=hidden.device)
-    args = _launch_args(plan, "up", hidden)
-    weights = _weights_arg(w13, args)  # may switch args["TMA"] off
+    args = _launch_args(plan, "up", hidden, w13)
+    weights = _weights_arg(w13, args)
     grid = (plan.num_m * triton.cdiv(inter, args["BLOCK_N"]),)
     _launch(
         _moe_up_kernel, grid, compile_only,
@@ -321,8 +322,8 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only:
     """[T * k, H] routing weight * down(act) for every (token, slot) pair."""
     hidden_size = w2.shape[1]
     out = torch.empty(act.shape[0], hidden_size, dtype=act.dtype, device=act.device)
-    args = _launch_args(plan, "down", act)
-    weights = _weights_arg(w2, args)  # may switch args["TMA"] off
+    args = _launch_args(plan, "down", act, w2)
+    weights = _weights_arg(w2, args)
     grid = (plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"]),)
     _launch(
         _moe_down_kernel, grid, compile_only,
