@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--parts", default="latency,offline,graph_sets")
     ap.add_argument("--concurrencies", default="160,384,800")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--enable-mixed-chunk", action="store_true", help="decodes share steps with prompt chunks")
     ap.add_argument("--graph-set-isl", type=int, default=256)
     ap.add_argument("--graph-set-osl", type=int, default=256)
     a = ap.parse_args()
@@ -96,7 +97,7 @@ def main() -> None:
     read_gbs = read_bandwidth_gbs()
     print(f"device {torch.cuda.get_device_name()}, read bandwidth {read_gbs:.0f} GB/s", flush=True)
     out: list = []
-    kw = dict(kv_cache_dtype=a.kv_cache_dtype)
+    kw = dict(kv_cache_dtype=a.kv_cache_dtype, enable_mixed_chunk=a.enable_mixed_chunk)
     parts = a.parts.split(",")
     try:
         if "latency" in parts:

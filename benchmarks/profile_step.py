@@ -23,7 +23,7 @@ from moeserve.config.engine_config import EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 
 
-def table(prof, title: str, steps: int, rows: int = 28) -> None:
+def table(prof, title: str, steps: int, rows: int = 40) -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events)

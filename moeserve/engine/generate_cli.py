@@ -22,6 +22,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--chunked-prefill-size", type=int, default=8192, help="0 disables chunked prefill")
+    parser.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="decodes share steps with prefill chunks (smoother inter-token latency under arrivals)",
+    )
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
@@ -59,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
+        "enable_mixed_chunk": args.enable_mixed_chunk,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "mem_fraction_static": args.mem_fraction_static,
         "enable_prefix_caching": not args.disable_prefix_caching,

@@ -2,7 +2,8 @@
 
 Each step: running requests go first, in admission order, each computing its next chunk (one
 token once decoding); then waiting requests are admitted in arrival order while the token
-budget, the sequence limit and the KV reservation allow. If a running request cannot get a KV
+budget, the sequence limit and the KV reservation allow. With mixed chunks off, a step that has
+prompt work (a chunk in progress or an admissible prompt) runs only that, and decodes wait. If a running request cannot get a KV
 page, the youngest running request is retracted: its pages are released (whole computed pages
 stay in the prefix cache) and it goes back to the head of the queue to be recomputed.
 
@@ -132,6 +133,21 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _schedule_prefill_chunks(self, batch: ScheduleBatch, budget: int) -> int:
+        """Running requests' next prompt chunks only; decoders (one token to compute) wait."""
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.num_uncomputed_tokens <= 1:
+                continue
+            n = self._chunk(req, budget, not batch.items)
+            # No retraction here: a chunk that finds no page falls back to the mixed step.
+            if n == 0 or not self.kv.allocate(req, req.num_computed_tokens + n):
+                break
+            batch.items.append(ScheduledRequest(req, n))
+            budget -= n
+        return budget
+
     def _reserved_pages(self, req: Request) -> int:
         """Pages `req` is still expected to need: its whole prompt plus a share of max_tokens."""
         future = req.num_tokens + int(req.remaining_max_tokens * self.new_token_ratio + 0.999)
@@ -182,10 +198,15 @@ class Scheduler:
         """Pick this step's work and commit it."""
         batch = ScheduleBatch(parity=self._steps % 2)
         self._steps += 1
+        budget = self.engine.max_num_batched_tokens
         retractions_before = self.stats.num_retractions
-        budget = self._schedule_running(batch, self.engine.max_num_batched_tokens)
+        if not self.engine.enable_mixed_chunk:
+            self._admit_waiting(batch, self._schedule_prefill_chunks(batch, budget))
+        if not batch.items:
+            budget = self._schedule_running(batch, budget)
+            if self.stats.num_retractions == retractions_before:
+                self._admit_waiting(batch, budget)
         if self.stats.num_retractions == retractions_before:
-            self._admit_waiting(batch, budget)
             self.new_token_ratio = max(
                 self.engine.min_new_token_ratio, self.new_token_ratio - self.engine.new_token_ratio_decay
             )

@@ -39,6 +39,7 @@ CONFIGS = {
     "page4-absorbed": dict(page_size=4, mha_threshold=10**12, chunked_prefill_size=12),
     "no-prefix-cache": dict(page_size=4, enable_prefix_caching=False, chunked_prefill_size=12),
     "no-overlap": dict(page_size=4, chunked_prefill_size=12, disable_overlap_schedule=True),
+    "no-mixed-chunk": dict(page_size=4, max_num_batched_tokens=16, chunked_prefill_size=8, enable_mixed_chunk=False),
 }
 
 
@@ -61,10 +62,14 @@ def test_batch_matches_reference(checkpoints, references, variant, name):
     llm.core.kv.check_idle_accounting()
 
 
+@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("variant", ["v2", "v3"])
-def test_requests_joining_and_leaving_mid_flight(checkpoints, references, variant):
+def test_requests_joining_and_leaving_mid_flight(checkpoints, references, variant, mixed):
     """Requests arrive at different steps and others are aborted; survivors are unaffected."""
-    llm = LLM(str(checkpoints[variant]), dtype="float32", device="cpu", page_size=4, chunked_prefill_size=8)
+    llm = LLM(
+        str(checkpoints[variant]), dtype="float32", device="cpu", page_size=4, chunked_prefill_size=8,
+        enable_mixed_chunk=mixed,
+    )
     core = llm.core
     rng = random.Random(0)
     arrivals = {0: [0, 1], 3: [2, 100], 7: [3], 12: [101, 4]}  # 100+ are victims, aborted later

@@ -15,7 +15,7 @@ from moeserve import LLM, SamplingParams
 @pytest.mark.gpu
 def test_launches_with_cached_prefixes_and_decodes_do_not_synchronize(v3_checkpoint):
     llm = LLM(str(v3_checkpoint), dtype="bfloat16", device="cuda", max_model_len=512, num_kv_pages=128,
-              cuda_graph_max_bs=8)  # fmt: skip
+              cuda_graph_max_bs=8, enable_mixed_chunk=True)  # fmt: skip
     core = llm.core
     runner, launch = core.runner, core.runner.launch
     launched = []

@@ -38,7 +38,7 @@ def test_requests_after_start_up_compile_nothing(v3_checkpoint):
     from triton import knobs
 
     llm = LLM(str(v3_checkpoint), dtype="bfloat16", device="cuda", max_model_len=512, num_kv_pages=128,
-              cuda_graph_max_bs=8)  # fmt: skip
+              cuda_graph_max_bs=8, enable_mixed_chunk=True)  # fmt: skip
     core = llm.core
     prompt = [1, *range(100, 300)]
     compiled: list[str] = []

@@ -32,7 +32,7 @@ def run_step(s: Scheduler, token: int = 5):
 
 
 def test_long_prompt_is_chunked_while_decodes_continue():
-    s = make(max_num_batched_tokens=16, chunked_prefill_size=8)
+    s = make(max_num_batched_tokens=16, chunked_prefill_size=8, enable_mixed_chunk=True)
     s.add_request(request("1", 5))
     run_step(s)  # prefill of 1
     s.add_request(request("2", 30))
@@ -101,3 +101,24 @@ def test_abort_anywhere_frees_pages(where):
     assert req.status == RequestStatus.FINISHED and req.finish_reason == "abort"
     assert not s.has_unfinished()
     s.kv.check_idle_accounting()
+
+
+def test_without_mixed_chunks_prompt_steps_run_no_decodes():
+    s = make(max_num_batched_tokens=16, chunked_prefill_size=8, enable_mixed_chunk=False)
+    s.add_request(request("1", 5))
+    run_step(s)  # prefill of 1; it decodes from now on
+    s.add_request(request("2", 20))
+    shapes = [sorted((it.request.request_id, it.num_new_tokens) for it in run_step(s).items) for _ in range(4)]
+    # 2's prompt runs alone, 8 + 8 + 4 tokens (under the chunk size), then both decode together.
+    assert shapes == [[("2", 8)], [("2", 8)], [("2", 4)], [("1", 1), ("2", 1)]]
+    assert s.running[0].output_token_ids == [5, 5]
+    assert s.running[1].output_token_ids == [5, 5]
+
+
+def test_without_mixed_chunks_decodes_run_when_no_prompt_fits():
+    s = make(num_pages=8, page_size=4, max_num_seqs=1, enable_mixed_chunk=False)
+    s.add_request(request("1", 5))
+    s.add_request(request("2", 5))
+    run_step(s)
+    # max_num_seqs keeps 2 waiting: the step decodes 1 rather than stalling.
+    assert [(it.request.request_id, it.num_new_tokens) for it in run_step(s).items] == [("1", 1)]
