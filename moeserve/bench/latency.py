@@ -52,16 +52,27 @@ def decode_floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict
     from moeserve import SamplingParams
     from moeserve.bench.roofline import count_touched_experts, decode_step_bytes, read_bandwidth_gbs
 
-    for i, p in enumerate(prompts):
-        core.add_request(f"floor-{i}", p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    # Room for every request to outlive the prefill phase: with decodes mixed into prefill steps,
+    # the first prompts decode while later ones prefill, and a request that had finished would
+    # drop out of the counted step (it once counted 18 of 64 requests' experts).
+    steps = len(prompts) + sum(map(len, prompts)) // core.engine.max_num_batched_tokens
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    ids = [f"floor-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        core.add_request(rid, p, params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in core.requests.values()):
         core.step()  # prefill until every request decodes
     graphs, core.runner.graphs = core.runner.graphs, None
     with count_touched_experts(core.runner.model) as touched:
         core.step()
+    decoded = core.scheduler.stats.last_decode_batch_size
     core.runner.graphs = graphs
+    for rid in ids:
+        core.abort_request(rid)
     while core.has_unfinished_requests():
         core.step()
+    if decoded != len(prompts):
+        raise RuntimeError(f"decode floor: the counted step decoded {decoded} of {len(prompts)} requests")
     kv_tokens = sum(len(p) + 1 for p in prompts)
     kv = core.runner.kv_cache
     per_token = core.model_config.kv_cache_dim * core.model_config.num_hidden_layers * kv.buffer.element_size()
