@@ -3,9 +3,10 @@
 Each step: running requests go first, in admission order, each computing its next chunk (one
 token once decoding); then waiting requests are admitted in arrival order while the token
 budget, the sequence limit and the KV reservation allow. With mixed chunks off, a step that has
-prompt work (a chunk in progress or an admissible prompt) runs only that, and decodes wait. If a running request cannot get a KV
-page, the youngest running request is retracted: its pages are released (whole computed pages
-stay in the prefix cache) and it goes back to the head of the queue to be recomputed.
+prompt work (a chunk in progress or an admissible prompt) runs only that, and decodes wait. If a
+running request cannot get a KV page, the youngest running request is retracted: its pages are
+released (whole computed pages stay in the prefix cache) and it goes back to the head of the
+queue to be recomputed.
 
 Scheduling commits a step at once: computed counts advance and each sampled token is appended
 as a placeholder (a negative id naming a slot of the step's future-token buffer). `update` later
@@ -115,14 +116,24 @@ class Scheduler:
         # Without chunking a prompt runs whole; one that exceeds the budget runs alone.
         return todo if todo <= budget or batch_empty else 0
 
-    def _schedule_running(self, batch: ScheduleBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduleBatch, budget: int, prompts_only: bool = False) -> int:
+        """Running requests' next chunks in admission order; -> the budget left.
+
+        prompts_only skips decoders (one token to compute) and never retracts: a chunk that finds
+        no page ends the pass, and the step falls back to a mixed one if it got nothing.
+        """
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if prompts_only and req.num_uncomputed_tokens <= 1:
+                i += 1
+                continue
             n = self._chunk(req, budget, not batch.items)
             if n == 0:
                 break
             while not self.kv.allocate(req, req.num_computed_tokens + n):
+                if prompts_only:
+                    return budget
                 victim = self.running[-1]
                 self._retract(victim)
                 if victim is req:
@@ -131,21 +142,6 @@ class Scheduler:
                 batch.items.append(ScheduledRequest(req, n))
                 budget -= n
                 i += 1
-        return budget
-
-    def _schedule_prefill_chunks(self, batch: ScheduleBatch, budget: int) -> int:
-        """Running requests' next prompt chunks only; decoders (one token to compute) wait."""
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.num_uncomputed_tokens <= 1:
-                continue
-            n = self._chunk(req, budget, not batch.items)
-            # No retraction here: a chunk that finds no page falls back to the mixed step.
-            if n == 0 or not self.kv.allocate(req, req.num_computed_tokens + n):
-                break
-            batch.items.append(ScheduledRequest(req, n))
-            budget -= n
         return budget
 
     def _reserved_pages(self, req: Request) -> int:
@@ -200,11 +196,13 @@ class Scheduler:
         self._steps += 1
         budget = self.engine.max_num_batched_tokens
         retractions_before = self.stats.num_retractions
-        if not self.engine.enable_mixed_chunk:
-            self._admit_waiting(batch, self._schedule_prefill_chunks(batch, budget))
+        mixed = self.engine.enable_mixed_chunk
+        if not mixed:
+            self._admit_waiting(batch, self._schedule_running(batch, budget, prompts_only=True))
         if not batch.items:
             budget = self._schedule_running(batch, budget)
-            if self.stats.num_retractions == retractions_before:
+            # Without mixing, admission was just tried with the whole budget and every page free.
+            if mixed and self.stats.num_retractions == retractions_before:
                 self._admit_waiting(batch, budget)
         if self.stats.num_retractions == retractions_before:
             self.new_token_ratio = max(
