@@ -14,9 +14,13 @@ from pathlib import Path
 from typing import Any
 
 
-def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Token ids drawn uniformly from [1000, 100000) (as the peer figures were), within the vocab."""
-    rng = random.Random(seed)
+def random_prompts(num: int, length: int, vocab_size: int, seed: int, stream: str = "") -> list[list[int]]:
+    """Token ids drawn uniformly from [1000, 100000) (as the peer figures were), within the vocab.
+
+    A `stream` name gives prompts no seed of another stream reproduces (int seeds cannot promise
+    that: Python seeds 2 and 2 + 2**32 alike).
+    """
+    rng = random.Random(f"{stream}:{seed}" if stream else seed)
     low, high = min(1000, vocab_size // 2), min(100_000, vocab_size)
     return [[rng.randrange(low, high) for _ in range(length)] for _ in range(num)]
 

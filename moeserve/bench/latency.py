@@ -87,7 +87,9 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
             read_gbs: float | None = None) -> dict:
     """Warm up, time one batch; optionally compare the decode step with its HBM floor."""
     vocab = core.model_config.vocab_size
-    run_batch(core, random_prompts(batch_size, input_len, vocab, seed + 1), 4, "warmup")
+    # Warm-up and floor prompts come from streams of their own: drawn from seed + 1, a run at
+    # s + 1 timed the prompts the run at s had warmed up, straight from the prefix cache.
+    run_batch(core, random_prompts(batch_size, input_len, vocab, seed, "warmup"), 4, "warmup")
     res = run_batch(core, random_prompts(batch_size, input_len, vocab, seed), output_len, "timed")
     step_ms = statistics.median(res["decode_ms"]) if res["decode_ms"] else None
     fields = dict(
@@ -102,7 +104,7 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
         decode_tok_s=round(batch_size * 1000 / step_ms, 1) if step_ms else None,
     )
     if analyze_floor and step_ms:
-        floor = decode_floor(core, random_prompts(batch_size, input_len, vocab, seed + 2), read_gbs)
+        floor = decode_floor(core, random_prompts(batch_size, input_len, vocab, seed, "floor"), read_gbs)
         fields.update(hbm_floor=floor, floor_ratio=round(step_ms / floor["floor_ms"], 3))
     return fields
 

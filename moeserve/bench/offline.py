@@ -24,7 +24,7 @@ def measure(core, num_prompts: int, input_len: int, output_len: int, seed: int, 
     from moeserve import SamplingParams
 
     vocab = core.model_config.vocab_size
-    for i, p in enumerate(random_prompts(warmup, input_len, vocab, seed + 1)):
+    for i, p in enumerate(random_prompts(warmup, input_len, vocab, seed, "warmup")):
         core.add_request(f"warm-{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     while core.has_unfinished_requests():
         core.step()

@@ -93,6 +93,8 @@ class ForwardBatch:
     extend_seq_lens_t: torch.Tensor | None = None
     # The decode CUDA graph this batch replays (input_ids then hold raw placeholders), or None.
     graph_size: int | None = None
+    # The prefill CUDA graph (padded token count) a one-prompt batch replays, or None.
+    prefill_graph_size: int | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -90,7 +90,7 @@ class EngineCore:
         self._log_startup()
 
     def _plan_memory(self) -> tuple[int, MemoryPlan]:
-        """Size the KV pool (profiling activations on GPU), allocate it, capture decode graphs."""
+        """Size the KV pool (profiling activations on GPU), allocate it, capture the CUDA graphs."""
         engine, runner = self.engine, self.runner
         max_len = engine.max_model_len or self.model_config.max_position_embeddings
         kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, self.dtype)
@@ -131,7 +131,7 @@ class EngineCore:
 
     def describe(self) -> dict:
         """The engine's configuration and memory plan, for logs and benchmark records."""
-        graphs, kv = self.runner.graphs, self.runner.kv_cache
+        graphs, prefill, kv = self.runner.graphs, self.runner.prefill_graphs, self.runner.kv_cache
         assert kv is not None
         weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         tokens = self.memory.num_pages * self.engine.page_size
@@ -148,6 +148,8 @@ class EngineCore:
             "cuda_graph_sizes": graphs.sizes if graphs else [],
             "cuda_graph_mib": round(graphs.memory_bytes / 2**20, 1) if graphs else 0.0,
             "cuda_graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
+            "prefill_graph_tokens": prefill.sizes if prefill else [],
+            "prefill_graph_mib": round(prefill.memory_bytes / 2**20, 1) if prefill else 0.0,
             "startup_s": round(self.startup_seconds, 2),
             "max_model_len": self.max_model_len,
         }

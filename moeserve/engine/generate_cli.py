@@ -34,6 +34,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-bs", default="x2", help="x2, +64, +8 or a comma-separated list of batch sizes")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument(
+        "--cuda-graph-prefill-tokens",
+        default="64,128,256,512,1024",
+        help="token counts of one-prompt prefill graphs (comma-separated; '' for none)",
+    )
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--mha-threshold", type=int, default=16384, help="prefill uses MHA once sum(e*(e+p)) reaches it")
     parser.add_argument("--seed", type=int, default=0)
@@ -72,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "cuda_graph_bs": args.cuda_graph_bs,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "disable_cuda_graph": args.disable_cuda_graph,
+        "cuda_graph_prefill_tokens": args.cuda_graph_prefill_tokens,
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "mha_threshold": args.mha_threshold,
         "seed": args.seed,

@@ -2,8 +2,9 @@
 
 Every decode step of a captured size replays one graph (all layers, the lm_head included), so the
 CPU launches one graph instead of hundreds of kernels. Graphs share one memory pool and read
-static input buffers that each step refills; padded rows write to the scratch KV page and attend
-only to it, so padding never touches a real request's cache.
+static input buffers that the graph itself fills from one packed copy of the step's inputs;
+padded rows write to the scratch KV page and attend only to it, so padding never touches a real
+request's cache.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import bisect
 import logging
 import time
 
+import numpy as np
 import torch
 
+from moeserve import ops
 from moeserve.cache.kv_cache import MLAKVCache
 from moeserve.core.batch import ForwardBatch
 from moeserve.executor.sampling_io import resolve_placeholders
@@ -66,6 +69,12 @@ class CudaGraphRunner:
         self.block_table = torch.zeros(n, max_pages_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        # A step's inputs travel packed (see ops.unpack_decode_inputs): one copy in, unpacked by
+        # the graph's first kernel. Two pinned host buffers alternate, so the host never rewrites
+        # one the previous step's copy may still be reading.
+        self.staged = torch.zeros(1 + 4 * n + n * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.host_staged = [torch.zeros(self.staged.shape, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.turn = 0
         # One output buffer for every graph: per-graph outputs would cost sum(sizes) x vocab floats
         # (26 GB for the +8 set up to 1024), while temporaries are shared through the pool anyway.
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
@@ -90,20 +99,22 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> None:
         fb = self._batch(bs)
+        ops.unpack_decode_inputs(self.staged, bs, fb.input_ids, fb.positions, fb.slot_mapping, fb.seq_lens_t, fb.block_table)
         ids = resolve_placeholders(fb.input_ids, self.future_tokens)
         self.logits[:bs].copy_(self.model.lm_head(self.model(ids, fb.positions, fb)))
         # Greedy rows need nothing more: their tokens come out of the graph with the logits.
         self.greedy_ids[:bs].copy_(argmax_rows(self.logits[:bs]))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first so the shared pool is sized by the biggest."""
+    def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
+        """Capture every size into the shared pool, largest first so the biggest sizes it."""
         start = time.perf_counter()
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        empty = np.zeros(0, dtype=np.int64)
         for bs in reversed(self.sizes):
+            self.stage(bs, empty, empty, empty, np.zeros((0, 1), dtype=np.int32), empty)  # all padding
+            torch.cuda.synchronize()
             with torch.cuda.stream(stream):
                 self._forward(bs)  # compile kernels and settle allocations outside capture
             stream.synchronize()
@@ -129,23 +140,36 @@ class CudaGraphRunner:
         i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def stage(
+        self, bs: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, table: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> ForwardBatch:
+        """Pack a decode step's inputs for the size-`bs` graph and start their copy to the device.
+
+        Padded rows: token 0 at position 0 with length 1, written to and read from the scratch
+        page only. -> the graph's batch, its real rows described for the host.
+        """
+        n, width = len(ids), table.shape[1]
+        host = self.host_staged[self.turn]
+        self.turn ^= 1
+        buf = host.numpy()
+        buf[0] = width
+        for k, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, 0), (seq_lens, 1))):
+            part = buf[1 + k * bs : 1 + (k + 1) * bs]
+            part[:n] = values
+            part[n:] = pad
+        size = 1 + 4 * bs + bs * width
+        rows = buf[1 + 4 * bs : size].reshape(bs, width)
+        rows[:n] = table
+        rows[n:] = 0
+        self.staged[:size].copy_(host[:size], non_blocking=True)
+        fb = self._batch(bs)
+        fb.num_decodes, fb.seq_lens, fb.query_lens, fb.graph_size = n, seq_lens.tolist(), [1] * n, bs
+        return fb
+
     def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [n, vocab], their row argmax [n]) for an all-decode batch with raw input ids."""
+        """(logits [n, vocab], their row argmax [n]) for a batch `stage` returned."""
+        assert fb.graph_size is not None
         n = fb.num_decodes
-        bs = self.padded_size(n)
-        assert bs is not None and n == len(fb.seq_lens)
-        width = fb.block_table.shape[1]
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.positions[:n].copy_(fb.positions)
-        self.slot_mapping[:n].copy_(fb.slot_mapping)
-        self.block_table[:n, :width].copy_(fb.block_table)
-        self.seq_lens[:n].copy_(fb.seq_lens_t)
-        if bs > n:
-            # Padded rows: token 0 at position 0, written to and read from the scratch page only.
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].zero_()
-            self.block_table[n:bs, 0].zero_()
-            self.seq_lens[n:bs].fill_(1)
-        self.graphs[bs].replay()
+        self.graphs[fb.graph_size].replay()
         return self.logits[:n], self.greedy_ids[:n]

@@ -17,6 +17,7 @@ from moeserve.core.batch import ForwardBatch, ScheduleBatch, ScheduledRequest
 from moeserve.core.outputs import SampledToken
 from moeserve.core.request import Request
 from moeserve.executor.cuda_graph import CudaGraphRunner, batch_size_set
+from moeserve.executor.prefill_graph import PrefillGraphRunner, prefill_graph_sizes
 from moeserve.executor.sampling_io import ban_stop_tokens, resolve_placeholders, sampling_batch, unpack
 from moeserve.layers.attention import use_mha_for_extend
 from moeserve.layers.moe import MoE
@@ -51,6 +52,7 @@ class ModelRunner:
         self.num_layers = self.config.num_hidden_layers + len(model.mtp)
         self.kv_cache: MLAKVCache | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         self.last_padded_tokens = 0
         # Two alternating buffers of sampled tokens, read by the following step's inputs.
         self.future_tokens = torch.zeros(2, engine.max_num_seqs, dtype=torch.int64, device=device)
@@ -139,13 +141,21 @@ class ModelRunner:
         self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb)[fb.logits_indices])
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture decode graphs for the configured batch sizes."""
+        """Capture decode graphs for the configured batch sizes, then the prefill graphs."""
         assert self.kv_cache is not None
-        max_bs = self.engine.cuda_graph_max_bs or min(self.engine.max_num_seqs, 512)
-        sizes = batch_size_set(self.engine.cuda_graph_bs, max_bs)
+        engine = self.engine
+        max_bs = engine.cuda_graph_max_bs or min(engine.max_num_seqs, 512)
+        sizes = batch_size_set(engine.cuda_graph_bs, max_bs)
         max_pages = -(-max_model_len // self.page_size)
+        # One pool for every graph: only one replays at a time, all on the capture stream's order.
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.graphs = CudaGraphRunner(self.model, self.kv_cache, sizes, max_pages, self.device, self.future_tokens)
-        self.graphs.capture()
+        self.graphs.capture(pool, stream)
+        budget = min(engine.max_num_batched_tokens, engine.chunked_prefill_size or engine.max_num_batched_tokens)
+        prefill_sizes = prefill_graph_sizes(engine.cuda_graph_prefill_tokens, min(budget, max_model_len))
+        if prefill_sizes:
+            self.prefill_graphs = PrefillGraphRunner(self.model, self.kv_cache, prefill_sizes, self.device)
+            self.prefill_graphs.capture(pool, stream)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array to the device without making the CPU wait for queued GPU work.
@@ -161,10 +171,10 @@ class ModelRunner:
     def _int32(self, values: list[int]) -> torch.Tensor:
         return self._to_device(np.asarray(values, dtype=np.int32))
 
-    def _input_ids(self, ids: np.ndarray, resolve: bool) -> torch.Tensor:
-        """Token ids on the device; with `resolve`, placeholders replaced by last step's samples."""
+    def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """Token ids on the device, placeholders replaced by last step's samples."""
         tokens = self._to_device(ids)
-        if resolve and (ids < 0).any():
+        if (ids < 0).any():
             tokens = resolve_placeholders(tokens, self.future_tokens)
         return tokens
 
@@ -214,8 +224,11 @@ class ModelRunner:
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), count)
         seq_lens = starts + new
         graph_size = self._graph_size(num_decodes, count, samples)
+        if graph_size is not None:
+            assert self.graphs is not None  # raw ids: the graph resolves placeholders itself
+            return self.graphs.stage(graph_size, self._token_ids(items), positions, slots, block_table, seq_lens)
         fb = ForwardBatch(
-            input_ids=self._input_ids(self._token_ids(items), resolve=graph_size is None),
+            input_ids=self._input_ids(self._token_ids(items)),
             positions=self._to_device(positions),
             slot_mapping=self._to_device(slots),
             block_table=self._to_device(block_table),
@@ -225,10 +238,11 @@ class ModelRunner:
             num_decodes=num_decodes,
             logits_indices=self._to_device(ends[samples] - 1),
             kv_cache=self.kv_cache,
-            graph_size=graph_size,
         )
         if num_decodes < count:
             self._describe_extends(fb, block_table, seq_lens)
+            if self.prefill_graphs is not None:
+                fb.prefill_graph_size = self.prefill_graphs.padded_size(fb, bool(samples.all()))
         return fb
 
     def _describe_extends(self, fb: ForwardBatch, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
@@ -256,6 +270,10 @@ class ModelRunner:
             assert self.graphs is not None
             self.last_padded_tokens = fb.graph_size - fb.num_decodes
             return self.graphs.replay(fb)
+        if fb.prefill_graph_size is not None:
+            assert self.prefill_graphs is not None
+            self.last_padded_tokens = fb.prefill_graph_size - fb.query_lens[0]
+            return self.prefill_graphs.replay(fb, fb.prefill_graph_size), None
         self.last_padded_tokens = 0
         hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.logits_indices]), None

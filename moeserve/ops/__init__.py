@@ -18,6 +18,7 @@ from typing import Any
 
 from moeserve.ops.reference import activation as _ref_activation
 from moeserve.ops.reference import attention as _ref_attention
+from moeserve.ops.reference import decode_inputs as _ref_decode_inputs
 from moeserve.ops.reference import linear as _ref_linear
 from moeserve.ops.reference import moe as _ref_moe
 from moeserve.ops.reference import norm as _ref_norm
@@ -54,6 +55,9 @@ mla_rope_norm_store = _dispatch("mla_rope_norm_store", _ref_rope.mla_rope_norm_s
 silu_and_mul = _dispatch("silu_and_mul", _ref_activation.silu_and_mul, "activation")
 skinny_bmm = _dispatch("skinny_bmm", _ref_linear.skinny_bmm, "skinny_gemm")
 linear = _dispatch("linear", _ref_linear.linear, "gemv")
+unpack_decode_inputs = _dispatch(
+    "unpack_decode_inputs", _ref_decode_inputs.unpack_decode_inputs, "decode_inputs"
+)
 
 __all__ = [
     "fused_add_rms_norm",
@@ -68,5 +72,6 @@ __all__ = [
     "silu_and_mul",
     "skinny_bmm",
     "store_kv",
+    "unpack_decode_inputs",
     "varlen_attention",
 ]

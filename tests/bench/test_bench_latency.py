@@ -36,3 +36,12 @@ def test_decode_floor_step_decodes_every_request(v3_checkpoint, mixed):
     assert all(k <= t <= experts for t in info["touched_experts_per_layer"])
     assert info["kv_bytes"] > 0 and info["floor_ms"] > 0
     core.kv.check_idle_accounting()
+
+
+def test_consecutive_seeds_time_fresh_prompts(v3_checkpoint):
+    """Runs at seeds s and s + 1 share no prompts: the timed run must prefill, not hit the cache."""
+    core = EngineCore(EngineConfig(model=str(v3_checkpoint), dtype="float32", device="cpu", page_size=4))
+    for seed in range(3):
+        hits = core.scheduler.stats.prefix_hit_tokens
+        latency.measure(core, 2, 12, 2, seed, analyze_floor=False)
+        assert core.scheduler.stats.prefix_hit_tokens == hits, f"seed {seed} timed cached prompts"

@@ -8,7 +8,6 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.core.batch import ScheduledRequest
 from moeserve.executor.cuda_graph import batch_size_set
-from moeserve.executor.sampling_io import resolve_placeholders
 
 
 def max_padding_above(sizes: list[int], floor: int) -> int:
@@ -52,10 +51,12 @@ def test_graph_replay_matches_eager_logits(v3_checkpoint, kv):
         it.output_index = len(it.request.output_token_ids)  # as if sampling again (not committed)
     with torch.inference_mode():
         fb = runner.prepare(items)
-        assert fb.graph_size == 8  # 4 rows padded to the size-8 graph
+        assert fb.graph_size == 8 and fb.num_decodes == 4  # 4 rows padded to the size-8 graph
         graph, greedy = (t.clone() for t in runner.graphs.replay(fb))
-        ids = resolve_placeholders(fb.input_ids, runner.future_tokens)  # the graph resolves its own
-        eager = runner.model.compute_logits(runner.model(ids, fb.positions, fb))
+        graphs, runner.graphs = runner.graphs, None
+        plain = runner.prepare(items)  # the same step unpadded, placeholders resolved on the way
+        runner.graphs = graphs
+        eager = runner.model.compute_logits(runner.model(plain.input_ids, plain.positions, plain))
     assert greedy.tolist() == graph.argmax(-1).tolist()  # the in-graph two-pass argmax
     err = (graph - eager).norm() / eager.norm()
     assert err < 2e-2, err

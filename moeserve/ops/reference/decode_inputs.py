@@ -1,0 +1,29 @@
+"""Unpacking one decode step's inputs from a single staged int32 buffer."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpack_decode_inputs(
+    staged: torch.Tensor,
+    rows: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    """Copy a staged step into the decode buffers, reading the table width from the buffer.
+
+    `staged` (int32) holds [width, ids[rows], positions[rows], slots[rows], seq_lens[rows],
+    table[rows, width]]; the first `rows` entries of each output (and `width` columns of the
+    table) are written, int64 outputs widened. The width is read on the device so that a CUDA
+    graph captured once serves tables of every width.
+    """
+    width = int(staged[0])
+    body = staged[1 : 1 + 4 * rows].view(4, rows)
+    for k, out in enumerate((input_ids, positions, slot_mapping, seq_lens)):
+        out[:rows].copy_(body[k])
+    start = 1 + 4 * rows
+    block_table[:rows, :width].copy_(staged[start : start + rows * width].view(rows, width))
