@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,6 +43,37 @@ def batch_size_set(spec: str, max_bs: int) -> list[int]:
     else:
         sizes = [int(p) for p in spec.split(",") if p.strip()]
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def capture_graphs(
+    sizes: list[int],
+    forward: Callable[[int], None],
+    pool: tuple,
+    stream: torch.cuda.Stream,
+    before_each: Callable[[int], None] | None = None,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], int, float]:
+    """Capture `forward(size)` for every size, largest first, into one shared pool.
+
+    Each size runs once uncaptured first (kernels compile, allocations settle). -> (graphs by
+    size, bytes the reserved memory grew, seconds taken).
+    """
+    start = time.perf_counter()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for size in reversed(sizes):
+        if before_each is not None:
+            before_each(size)
+            torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            forward(size)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs, torch.cuda.memory_reserved() - before, time.perf_counter() - start
 
 
 class CudaGraphRunner:
@@ -108,23 +140,14 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
         """Capture every size into the shared pool, largest first so the biggest sizes it."""
-        start = time.perf_counter()
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
         empty = np.zeros(0, dtype=np.int64)
-        for bs in reversed(self.sizes):
-            self.stage(bs, empty, empty, empty, np.zeros((0, 1), dtype=np.int32), empty)  # all padding
-            torch.cuda.synchronize()
-            with torch.cuda.stream(stream):
-                self._forward(bs)  # compile kernels and settle allocations outside capture
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        self.memory_bytes = torch.cuda.memory_reserved() - before
-        self.capture_seconds = time.perf_counter() - start
+
+        def stage_padding(bs: int) -> None:  # a valid all-padding input for the warm-up and capture
+            self.stage(bs, empty, empty, empty, np.zeros((0, 1), dtype=np.int32), empty)
+
+        self.graphs, self.memory_bytes, self.capture_seconds = capture_graphs(
+            self.sizes, self._forward, pool, stream, before_each=stage_padding
+        )
         logger.info(
             "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.0f MiB (%.1f MiB per graph)",
             len(self.graphs),

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 import torch
 
 from moeserve.cache.kv_cache import MLAKVCache
 from moeserve.core.batch import ForwardBatch
+from moeserve.executor.cuda_graph import capture_graphs
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -82,20 +82,7 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
         """Capture every size into the shared pool, largest first."""
-        start = time.perf_counter()
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
-        for t in reversed(self.sizes):
-            with torch.cuda.stream(stream):
-                self._forward(t)  # compile kernels and settle allocations outside capture
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(t)
-            self.graphs[t] = graph
-        torch.cuda.synchronize()
-        self.memory_bytes = torch.cuda.memory_reserved() - before
-        self.capture_seconds = time.perf_counter() - start
+        self.graphs, self.memory_bytes, self.capture_seconds = capture_graphs(self.sizes, self._forward, pool, stream)
         logger.info(
             "captured %d prefill CUDA graphs (%s tokens) in %.1f s, %.0f MiB",
             len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds, self.memory_bytes / 2**20,
