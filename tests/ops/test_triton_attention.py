@@ -279,3 +279,34 @@ def test_gpu_mla_decode_replays_in_cuda_graph(kv_dtype):
         graph.replay()
         want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3)
         assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gpu_mla_decode_reads_the_key_stored_just_before(kv_dtype, batch):
+    """Decode loads its first tile before waiting on the previous kernel, all but the newest key:
+    with the store as that kernel (PDL), a stale newest row must never reach the output."""
+    from moeserve.ops.triton.rope_store import mla_rope_norm_store
+
+    gen = torch.Generator().manual_seed(batch)
+    page_size = 64
+    for _ in range(5):
+        seq_lens = torch.randint(1, 1500, (batch,), generator=gen).tolist()
+        cache, table = paged_cache(seq_lens, page_size, RANK + ROPE, kv_dtype, gen)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        newest = lens.long() - 1
+        slots = table.gather(1, (newest // page_size)[:, None])[:, 0].long() * page_size + newest % page_size
+        flat = cache.view(-1, RANK + ROPE)
+        flat[slots] = torch.full((batch, RANK + ROPE), 50.0, device=DEVICE).to(kv_dtype)  # stale, and loud
+        q_latent, q_rope = mla_inputs(batch, 16, RANK, ROPE, torch.bfloat16, gen)
+        kv = torch.randn(batch, RANK + ROPE, generator=gen).to(DEVICE, torch.bfloat16)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, ROPE, 2, device=DEVICE).float() / ROPE)
+        positions = newest.to(torch.int32)
+        norm_w = torch.ones(RANK, dtype=torch.bfloat16, device=DEVICE)
+        q_key = torch.zeros(batch, 1, ROPE, dtype=torch.bfloat16, device=DEVICE)
+        mla_rope_norm_store(positions, q_key, kv, norm_w, 1e-6, inv_freq, 1.0, False, cache, slots.to(torch.int32))
+        got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3)  # launched right behind the store
+        torch.cuda.synchronize()
+        assert (flat[slots].float().abs() < 50).all()
+        assert rel_err(got, ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3)) < TOL[torch.bfloat16]

@@ -6,10 +6,15 @@ With PDL the next kernel's blocks are placed on the SMs early and park in `gridd
 until the previous grid has finished and its writes are visible.
 
 The rule that keeps this safe: every kernel launched with `pdl_launch` calls `wait_for_prior_grid`
-before its first global memory access (read or write). Each kernel then starts its memory work
-only after its predecessor completed, which completed only after its own predecessor, so stream
-order holds for memory exactly as without PDL. Kernels not launched this way (cuBLAS, PyTorch)
-are ordinary stream-ordered launches. MOESERVE_PDL=0 turns it off (for A/B timing).
+before it writes global memory or reads anything the kernel before it may have written, and lets
+the next kernel launch only after that wait. Stream order then holds for memory exactly as
+without PDL. Kernels not launched this way (cuBLAS, PyTorch) are ordinary stream-ordered
+launches. MOESERVE_PDL=0 turns it off (for A/B timing).
+
+What a kernel may read before its wait: weights (no kernel writes them), and anything written
+two or more kernels back: when kernel N + 1 starts, kernel N has passed its wait, so kernel
+N - 1 has completed and flushed. Such reads bypass L1 (`.cg`), which is not coherent with the
+writer's SM.
 """
 
 from __future__ import annotations
