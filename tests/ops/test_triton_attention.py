@@ -285,8 +285,8 @@ def test_gpu_mla_decode_replays_in_cuda_graph(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_gpu_mla_decode_reads_the_key_stored_just_before(kv_dtype, batch):
-    """Decode loads its first tile before waiting on the previous kernel, all but the newest key:
-    with the store as that kernel (PDL), a stale newest row must never reach the output."""
+    """Launched right behind the cache store (both PDL kernels), decode must see the new key, never
+    the stale row (a guard for reads moved before the wait; pdl.py says which are safe)."""
     from moeserve.ops.triton.rope_store import mla_rope_norm_store
 
     gen = torch.Generator().manual_seed(batch)
