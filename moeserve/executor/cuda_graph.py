@@ -115,16 +115,18 @@ class CudaGraphRunner:
         self.memory_bytes = 0
         self.capture_seconds = 0.0
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, bs: int, seq_lens: list[int] | None = None) -> ForwardBatch:
+        """The size-`bs` graph's batch; host lists for its real rows (`seq_lens`), else all `bs`."""
+        n = bs if seq_lens is None else len(seq_lens)
         return ForwardBatch(
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
             slot_mapping=self.slot_mapping[:bs],
             block_table=self.block_table[:bs],
             seq_lens_t=self.seq_lens[:bs],
-            seq_lens=[1] * bs,
-            query_lens=[1] * bs,
-            num_decodes=bs,
+            seq_lens=[1] * bs if seq_lens is None else seq_lens,
+            query_lens=[1] * n,
+            num_decodes=n,
             logits_indices=self.rows[:bs],
             kv_cache=self.kv_cache,
         )
@@ -186,8 +188,8 @@ class CudaGraphRunner:
         rows[:n] = table
         rows[n:] = 0
         self.staged[:size].copy_(host[:size], non_blocking=True)
-        fb = self._batch(bs)
-        fb.num_decodes, fb.seq_lens, fb.query_lens, fb.graph_size = n, seq_lens.tolist(), [1] * n, bs
+        fb = self._batch(bs, seq_lens.tolist())
+        fb.graph_size = bs
         return fb
 
     def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,17 @@ def _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
 
 
 @triton.jit
+def _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The gathered token rows' columns k0 + offs_k: [rows, k], or [k, rows] when TRANSPOSED (swapAB)."""
+    k_ok = (k0 + offs_k) < K
+    if TRANSPOSED:  # one return: Triton wants every return of a function to have one shape
+        rows = tl.load(x_ptr + x_rows[None, :] + (k0 + offs_k)[:, None], mask=x_mask[None, :] & k_ok[:, None], other=0.0)
+    else:
+        rows = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=x_mask[:, None] & k_ok[None, :], other=0.0)
+    return rows
+
+
+@triton.jit
 def _tile_matmul(x_ptr, x_rows, x_mask, w_ptr, w_rows, w_mask,
                  K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -83,12 +94,12 @@ def _tile_matmul(x_ptr, x_rows, x_mask, w_ptr, w_rows, w_mask,
         k_ok = (k0 + offs_k) < K
         if MODE == 1:
             w = tl.load(w_ptr + w_rows[:, None] + (k0 + offs_k)[None, :], mask=w_mask[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.load(x_ptr + x_rows[None, :] + (k0 + offs_k)[:, None], mask=x_mask[None, :] & k_ok[:, None], other=0.0)
+            xt = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, True)
             if PRECISION == "ieee":  # fp32, or the interpreter, whose tl.dot misreads bf16
                 w, xt = w.to(tl.float32), xt.to(tl.float32)
             acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         elif MODE == 2:
-            x = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=x_mask[:, None] & k_ok[None, :], other=0.0)
+            x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, False)
             wt = tl.load(w_ptr + w_rows[None, :] + (k0 + offs_k)[:, None], mask=w_mask[None, :] & k_ok[:, None], other=0.0)
             if PRECISION == "ieee":
                 x, wt = x.to(tl.float32), wt.to(tl.float32)
@@ -124,12 +135,11 @@ def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros_like(acc_a)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
         wa = w_desc.load([row_a, k0])
         if TWO:
             wb = w_desc.load([row_b, k0])
         if MODE == 1:
-            xt = tl.load(x_ptr + x_rows[None, :] + (k0 + offs_k)[:, None], mask=x_mask[None, :] & k_ok[:, None], other=0.0)
+            xt = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, True)
             if PRECISION == "ieee":
                 wa, xt = wa.to(tl.float32), xt.to(tl.float32)
             acc_a = tl.dot(wa, xt, acc_a, input_precision=PRECISION)
@@ -138,7 +148,7 @@ def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
                     wb = wb.to(tl.float32)
                 acc_b = tl.dot(wb, xt, acc_b, input_precision=PRECISION)
         else:
-            x = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=x_mask[:, None] & k_ok[None, :], other=0.0)
+            x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, False)
             if PRECISION == "ieee":
                 x, wa = x.to(tl.float32), wa.to(tl.float32)
             acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
