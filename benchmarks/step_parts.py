@@ -14,13 +14,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_suite  # noqa: E402 - beside this script
+
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402
-from moeserve.config.engine_config import EngineConfig  # noqa: E402
-from moeserve.engine.engine import EngineCore  # noqa: E402
 
-core = EngineCore(EngineConfig(model=sys.argv[1], max_model_len=4096, mem_fraction_static=0.9, max_num_seqs=1024,
-                               cuda_graph_max_bs=1024))
+core = gpu_suite.engine(sys.argv[1])
 parts = {}
 
 

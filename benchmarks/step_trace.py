@@ -18,9 +18,10 @@ from triton import knobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu_suite  # noqa: E402 - beside this script
+
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402
-from moeserve.config.engine_config import EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 
 compiles: list[str] = []
@@ -60,15 +61,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--min-ms", type=float, default=150.0)
     a = ap.parse_args()
-    core = EngineCore(
-        EngineConfig(
-            model=a.model,
-            max_model_len=4096,
-            mem_fraction_static=0.9,
-            max_num_seqs=1024,
-            cuda_graph_max_bs=1024,
-        )
-    )
+    core = gpu_suite.engine(a.model)
     knobs.runtime.jit_post_compile_hook = on_compile
     launch = core.runner.launch
 

@@ -136,25 +136,17 @@ def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
     acc_b = tl.zeros_like(acc_a)
     for k0 in range(0, K, BLOCK_K):
         wa = w_desc.load([row_a, k0])
-        if TWO:
-            wb = w_desc.load([row_b, k0])
+        wb = w_desc.load([row_b, k0]) if TWO else wa
+        x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, MODE == 1)
+        if PRECISION == "ieee":
+            x, wa, wb = x.to(tl.float32), wa.to(tl.float32), wb.to(tl.float32)
         if MODE == 1:
-            xt = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, True)
-            if PRECISION == "ieee":
-                wa, xt = wa.to(tl.float32), xt.to(tl.float32)
-            acc_a = tl.dot(wa, xt, acc_a, input_precision=PRECISION)
+            acc_a = tl.dot(wa, x, acc_a, input_precision=PRECISION)
             if TWO:
-                if PRECISION == "ieee":
-                    wb = wb.to(tl.float32)
-                acc_b = tl.dot(wb, xt, acc_b, input_precision=PRECISION)
+                acc_b = tl.dot(wb, x, acc_b, input_precision=PRECISION)
         else:
-            x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, False)
-            if PRECISION == "ieee":
-                x, wa = x.to(tl.float32), wa.to(tl.float32)
             acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
             if TWO:
-                if PRECISION == "ieee":
-                    wb = wb.to(tl.float32)
                 acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
     if MODE == 1:
         acc_a = tl.trans(acc_a)
