@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.assets import default_model_path  # noqa: E402

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeserve.bench import latency, offline  # noqa: E402
 from moeserve.bench.common import record  # noqa: E402
@@ -30,8 +31,14 @@ from moeserve.engine.engine import EngineCore  # noqa: E402
 LATENCY = [("b1_isl1024_osl256", 1), ("b8_isl1024_osl256", 8), ("b64_isl1024_osl256", 64), ("b256_isl1024_osl256", 256)]
 
 
+# Prompt tokens a step: the peer's offline LLM class takes 16,384 on a GPU this size (its API
+# server 8,192, as moeserve's default); fewer, longer prefill steps run the MoE GEMMs at larger M.
+PREFILL_TOKENS_PER_STEP = 16384
+
+
 def engine(model: str, **kw) -> EngineCore:
-    base = dict(model=model, max_model_len=4096, mem_fraction_static=0.9, max_num_seqs=1024, cuda_graph_max_bs=1024)
+    base = dict(model=model, max_model_len=4096, mem_fraction_static=0.9, max_num_seqs=1024, cuda_graph_max_bs=1024,
+                max_num_batched_tokens=PREFILL_TOKENS_PER_STEP, chunked_prefill_size=PREFILL_TOKENS_PER_STEP)
     return EngineCore(EngineConfig(**{**base, **kw}))
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402

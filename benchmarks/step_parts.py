@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 import gpu_suite  # noqa: E402 - beside this script
 
 from moeserve import SamplingParams  # noqa: E402

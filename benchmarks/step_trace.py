@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from triton import knobs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import gpu_suite  # noqa: E402 - beside this script
 

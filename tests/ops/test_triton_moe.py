@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moeserve.ops.reference import moe as ref
+from moeserve.ops.triton import moe_align as moe_align_module
 from moeserve.ops.triton import moe_config
 from moeserve.ops.triton.fused_moe import fused_moe
 from moeserve.ops.triton.moe_align import moe_align
@@ -56,6 +57,14 @@ def poisoned(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-123456)
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(params=["one-program", "three-kernels"])
+def align_path(request, monkeypatch):
+    """Both ways moe_align runs: one program (decode sizes) and the chunked three-kernel sort."""
+    if request.param == "three-kernels":
+        monkeypatch.setattr(moe_align_module, "ONE_PROGRAM_MAX_PAIRS", 0)
+    return request.param
 
 
 def routing(tokens: int, experts: int, topk: int, pattern: str, gen: torch.Generator) -> torch.Tensor:
@@ -105,14 +114,22 @@ def check_align(ids: torch.Tensor, experts: int, block_m: int) -> None:
     [(1, 2, 4, 1), (5, 2, 4, 16), (33, 6, 64, 16), (90, 8, 256, 64), (10, 3, 7, 4)],
 )
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-def test_moe_align_sorts_every_pair_once(tokens, topk, experts, block_m, ids_dtype, poisoned):
+def test_moe_align_sorts_every_pair_once(tokens, topk, experts, block_m, ids_dtype, align_path, poisoned):
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
     check_align(ids.to(device=DEVICE, dtype=ids_dtype), experts, block_m)
 
 
-def test_moe_align_one_expert_takes_all(poisoned):
+def test_moe_align_one_expert_takes_all(align_path, poisoned):
     check_align(torch.full((40, 1), 3, dtype=torch.int32, device=DEVICE), 8, 16)
+
+
+def test_moe_align_drops_ids_out_of_range(align_path, poisoned):
+    ids = torch.tensor([[2, 9], [-1, 2], [0, 8], [5, 0]], dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, num_padded = moe_align(ids, 8, 4)
+    assert int(num_padded) == 12  # experts 0, 2 and 5, one block of 4 each
+    assert block_expert.cpu()[:3].tolist() == [0, 2, 5]
+    assert sorted_ids.cpu()[:12].tolist() == [4, 7, 8, 8, 0, 3, 8, 8, 6, 8, 8, 8]
 
 
 @pytest.mark.parametrize(
