@@ -17,7 +17,7 @@ import triton
 from moeserve.ops.reference import attention as ref
 from moeserve.ops.triton.flash_attention import varlen_attention
 from moeserve.ops.triton.gather_kv import gather_kv
-from moeserve.ops.triton.mla_decode import mla_decode
+from moeserve.ops.triton.mla_decode import Tiles, mla_decode
 from moeserve.ops.triton.mla_extend import mla_extend_absorbed
 
 GPU = torch.cuda.is_available()
@@ -92,13 +92,13 @@ def mla_inputs(rows, heads, rank, rope, dtype, gen, device=DEVICE):
     return q_latent, q[..., 16:]
 
 
-def check_decode(seq_lens, heads, rank, rope, page_size, q_dtype, kv_dtype, gen, num_splits=None, tol=None):
+def check_decode(seq_lens, heads, rank, rope, page_size, q_dtype, kv_dtype, gen, num_splits=None, tol=None, tiles=None):
     kv_scale = 0.5 if kv_dtype == FP8 else 1.0
     cache, table = paged_cache(seq_lens, page_size, rank + rope, kv_dtype, gen, kv_scale)
     q_latent, q_rope = mla_inputs(len(seq_lens), heads, rank, rope, q_dtype, gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale)
-    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, num_splits=num_splits)
+    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, num_splits=num_splits, tiles=tiles)
     assert got.dtype == q_latent.dtype and got.shape == want.shape
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < (tol or TOL[q_dtype])
@@ -154,6 +154,16 @@ def test_mla_decode_many_splits_and_head_groups(poisoned):
     # 20 heads: two head groups, the second part-filled; 7 splits: short rows leave most empty.
     gen = torch.Generator().manual_seed(1)
     check_decode([3, 150], 20, 24, 8, 16, torch.float32, torch.float32, gen, num_splits=7)
+
+
+@pytest.mark.parametrize(("page_size", "kv_dtype"), [(1, torch.float32), (16, FP8)])
+def test_mla_decode_first_tile_before_the_wait(page_size, kv_dtype, poisoned):
+    """Batch 1's layout: each split's first tile loaded apart (newest key after the wait), the rest
+    in the loop; lengths inside one tile, at a tile edge and over several splits."""
+    gen = torch.Generator().manual_seed(2)
+    tiles = Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1, early_tile=True)
+    for lens, splits in (([1], 1), ([16], 2), ([17], 1), ([70], 3), ([150], 4)):
+        check_decode(lens, 4, 32, 8, page_size, torch.float32, kv_dtype, gen, num_splits=splits, tiles=tiles)
 
 
 @pytest.mark.parametrize(("page_size", "kv_dtype", "num_splits"), [(1, torch.float32, 1), (16, FP8, None), (64, torch.float32, 3)])
@@ -285,8 +295,8 @@ def test_gpu_mla_decode_replays_in_cuda_graph(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_gpu_mla_decode_reads_the_key_stored_just_before(kv_dtype, batch):
-    """Launched right behind the cache store (both PDL kernels), decode must see the new key, never
-    the stale row (a guard for reads moved before the wait; pdl.py says which are safe)."""
+    """At batch 1 decode loads its first tile before waiting on the previous kernel, all but the
+    newest key: with the store as that kernel (PDL), a stale newest row must never reach the output."""
     from moeserve.ops.triton.rope_store import mla_rope_norm_store
 
     gen = torch.Generator().manual_seed(batch)

@@ -7,6 +7,8 @@ program of its own (flash-decoding), so a single long sequence still fills the G
 kernel merges the splits by their log-sum-exp. num_splits and the grid depend only on shapes: a
 sequence shorter than the splits leaves the trailing ones empty, which makes decode capturable
 in a CUDA graph. mla_extend.py reuses these kernels for prefill chunks (BLOCK_Q > 1, causal).
+At batch 1, decode loads each split's first tile before waiting on the previous kernel (PDL),
+all but the newest key, which this step's store may just have written.
 
 An FP8 cache holds value / kv_scale: tiles are widened to the compute dtype and kv_scale is
 folded into the score scale and the output. Scores use exp2, so lse is kept in base 2.
@@ -42,16 +44,17 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr):
-    """The page holding each key offs_n (the scratch page 0 from hi on)."""
-    return tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
+def _load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr, CACHE: tl.constexpr):
+    """The page holding each key offs_n (the scratch page 0 from hi on); ".cg" (L2 only) where it
+    is read before the wait (_first_tile_then_wait)."""
+    return tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0, cache_modifier=CACHE)
 
 
 @triton.jit
 def _load_rows(
     kv_ptr, page, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
     LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    RELOAD: tl.constexpr,
+    RELOAD: tl.constexpr, CACHE: tl.constexpr,
 ):
     """Cached rows of keys offs_n in the cache's dtype (zeros from hi on when MASKED) ->
     (latent for the scores, rotary key, latent for the output).
@@ -67,8 +70,8 @@ def _load_rows(
     if MASKED:
         c_ok = c_ok & (offs_n < hi)[:, None]
         p_ok = p_ok & (offs_n < hi)[:, None]
-    latent = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0)
-    rope = tl.load(rows[:, None] + LATENT + offs_p[None, :], mask=p_ok, other=0.0)
+    latent = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0, cache_modifier=CACHE)
+    rope = tl.load(rows[:, None] + LATENT + offs_p[None, :], mask=p_ok, other=0.0, cache_modifier=CACHE)
     if RELOAD:
         # A different cache modifier also keeps the compiler from merging the two loads.
         latent_pv = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0, cache_modifier=".cg")
@@ -90,27 +93,38 @@ def _attend_tiles(
     iteration; otherwise Triton's pipeliner keeps only one KV tile in flight.
     """
     offs = tl.arange(0, BLOCK_N)
-    pages = _load_pages(table_row, lo + offs, hi, PAGE_SIZE)
+    pages = _load_pages(table_row, lo + offs, hi, PAGE_SIZE, "")
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs
         latent, rope, latent_pv = _load_rows(
             kv_ptr, pages, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
-            LATENT, ROPE, PAGE_SIZE, MASKED, RELOAD,
+            LATENT, ROPE, PAGE_SIZE, MASKED, RELOAD, "",
         )
-        pages = _load_pages(table_row, offs_n + BLOCK_N, hi, PAGE_SIZE)
-        s = tl.dot(q_lat, tl.trans(latent.to(COMPUTE)), input_precision=PRECISION)
-        s = tl.dot(q_rope, tl.trans(rope.to(COMPUTE)), acc=s, input_precision=PRECISION) * qk_scale
-        if MASKED:
-            s = tl.where((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < hi), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row may have no visible key yet in a causal tile; exp2(-inf - 0) keeps it at zero weight.
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(COMPUTE), latent_pv.to(COMPUTE), acc=acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        pages = _load_pages(table_row, offs_n + BLOCK_N, hi, PAGE_SIZE, "")
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_lat, q_rope, latent, rope, latent_pv, offs_n, hi, pos, qk_scale, MASKED, COMPUTE, PRECISION,
+        )
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q_lat, q_rope, latent, rope, latent_pv, offs_n, hi, pos, qk_scale,
+    MASKED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the loaded keys offs_n."""
+    s = tl.dot(q_lat, tl.trans(latent.to(COMPUTE)), input_precision=PRECISION)
+    s = tl.dot(q_rope, tl.trans(rope.to(COMPUTE)), acc=s, input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < hi), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may have no visible key yet in a causal tile; exp2(-inf - 0) keeps it at zero weight.
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(COMPUTE), latent_pv.to(COMPUTE), acc=acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -133,15 +147,48 @@ def _store_result(
 
 
 @triton.jit
-def _query_span(seq_lens_ptr, qstart_ptr, b, DECODE: tl.constexpr):
-    """(first query row, query count, cached + new length) of sequence b."""
-    seq_len = tl.load(seq_lens_ptr + b)
+def _first_tile_then_wait(
+    kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    RELOAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """Decode: a split's first KV tile, loaded before waiting on the previous kernel -> (keys, rows).
+
+    All keys but the newest were stored by earlier steps, so under PDL (pdl.py) they stream in
+    while the previous kernel drains; the newest key's row, which this step's store kernel may
+    just have written, is read after the wait. At decode sizes a split is a tile or two, so this
+    takes the table and cache round trips off the path behind the previous kernel.
+    """
+    first_n = lo + tl.arange(0, BLOCK_N)
+    key = seq_len - 1
+    latent, rope, latent_pv = _load_rows(
+        kv_ptr, _load_pages(table_row, first_n, hi, PAGE_SIZE, ".cg"), first_n, tl.minimum(hi, key), offs_c, offs_p,
+        stride_page, stride_slot, LATENT, ROPE, PAGE_SIZE, True, RELOAD, ".cg",
+    )
+    in_tile = (key >= lo) & (key < hi) & (key < lo + BLOCK_N)
+    page = tl.load(table_row + key // PAGE_SIZE, mask=in_tile, other=0, cache_modifier=".cg")
+    row = kv_ptr + page.to(tl.int64) * stride_page + (key % PAGE_SIZE) * stride_slot
+    wait_for_prior_grid(PDL)
+    new_latent = tl.load(row + offs_c, mask=in_tile & (offs_c < LATENT), other=0.0, cache_modifier=".cg")
+    new_rope = tl.load(row + LATENT + offs_p, mask=in_tile & (offs_p < ROPE), other=0.0, cache_modifier=".cg")
+    newest = (first_n == key)[:, None]
+    latent = tl.where(newest, new_latent[None, :], latent)
+    rope = tl.where(newest, new_rope[None, :], rope)
+    latent_pv = tl.where(newest, new_latent[None, :], latent_pv)
+    return first_n, latent, rope, latent_pv
+
+
+@triton.jit
+def _query_span(seq_lens_ptr, qstart_ptr, b, DECODE: tl.constexpr, CACHE: tl.constexpr):
+    """(first query row, query count, cached + new length) of sequence b; CACHE ".cg" (L2 only)
+    where they are read before the wait (_first_tile_then_wait)."""
+    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
     if DECODE:
         q_start = b
         q_len = 1
     else:
-        q_start = tl.load(qstart_ptr + b)
-        q_len = tl.load(qstart_ptr + b + 1) - q_start
+        q_start = tl.load(qstart_ptr + b, cache_modifier=CACHE)
+        q_len = tl.load(qstart_ptr + b + 1, cache_modifier=CACHE) - q_start
     return q_start, q_len, seq_len
 
 
@@ -154,16 +201,17 @@ def _mla_split_kernel(
     num_heads, num_q_blocks, num_splits, qk_scale, out_scale,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, EARLY_TILE: tl.constexpr, RELOAD: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_prior_grid(PDL)
+    if not EARLY_TILE:
+        wait_for_prior_grid(PDL)
     head_groups = tl.cdiv(num_heads, BLOCK_H)
     # The last query blocks see the most keys; starting them first evens out the causal tail.
     q_block = num_q_blocks - 1 - tl.program_id(0) // head_groups
     b = tl.program_id(1)
     split = tl.program_id(2)
-    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE)
+    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE, ".cg" if EARLY_TILE else "")
     if q_block * BLOCK_Q >= q_len:
         return
     prefix = seq_len - q_len
@@ -180,6 +228,12 @@ def _mla_split_kernel(
     q_row = (q_start + tok).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
     offs_p = tl.arange(0, BLOCK_P)
+    if EARLY_TILE:
+        table_row = table_ptr + b.to(tl.int64) * stride_table
+        first_n, first_latent, first_rope, first_pv = _first_tile_then_wait(
+            kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
+            LATENT, ROPE, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
+        )
     q_lat = tl.load(
         q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :],
         mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
@@ -191,7 +245,14 @@ def _mla_split_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_C], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
-    table_row = table_ptr + b.to(tl.int64) * stride_table
+    if not EARLY_TILE:
+        table_row = table_ptr + b.to(tl.int64) * stride_table
+    else:
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_lat, q_rope, first_latent, first_rope, first_pv, first_n, hi, pos, qk_scale,
+            True, COMPUTE, PRECISION,
+        )
+        lo += BLOCK_N
     # Whole tiles below the block's first query position are visible to every row: no masks.
     diag = (prefix + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     mid = tl.maximum(lo, tl.minimum(diag, hi // BLOCK_N * BLOCK_N))
@@ -219,7 +280,7 @@ def _mla_reduce_kernel(
     tok = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     b = tl.program_id(1)
-    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE)
+    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE, "")
     if tok >= q_len:
         return
     # Splits holding a key this row may see; every one of them was written with a finite lse.
@@ -265,6 +326,8 @@ class Tiles:
     # Programs that fit on an SM at once (registers, shared memory as compiled for sm_90): the
     # split count aims at exactly one wave of them.
     ctas_per_sm: int = 1
+    # Decode: each split loads its first KV tile before waiting on the previous kernel.
+    early_tile: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,7 +406,8 @@ def run_absorbed(
         LATENT=rank, ROPE=q_rope.shape[-1],
         BLOCK_C=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
-        SPLIT_KV=num_splits > 1, DECODE=decode, RELOAD=fp8 and compute != tl.float32, COMPUTE=compute,
+        SPLIT_KV=num_splits > 1, DECODE=decode, EARLY_TILE=decode and tiles.early_tile,
+        RELOAD=fp8 and compute != tl.float32, COMPUTE=compute,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
@@ -391,8 +455,10 @@ def decode_tiles(
         return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1)
     # One sequence: each split is a single short program, and eight warps shorten its chain
     # (1280 keys on H200 with PDL: 10.4 us for split + reduce against 11.3 with four warps).
+    # Its first tile streams in behind the previous kernel: decode-graph replay 2.189 -> 2.135 ms
+    # at batch 1, while at 8 and 64 (longer splits) it cost 1.5%.
     if batch == 1:
-        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=2)
+        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=2, early_tile=True)
     return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=1)
 
 
