@@ -246,6 +246,7 @@ def _mla_split_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     if not EARLY_TILE:
+        # Computed here, not above, so every batch but 1 compiles to the PTX measured before.
         table_row = table_ptr + b.to(tl.int64) * stride_table
     else:
         acc, m_i, l_i = _attend_tile(

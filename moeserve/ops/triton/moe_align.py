@@ -155,9 +155,6 @@ def moe_align(
     numel = topk_ids.numel()
     ids = topk_ids.reshape(-1)
     e_pad = triton.next_power_of_2(num_experts)
-    sub = max(16, min(128, 4096 // e_pad))
-    chunk = triton.cdiv(triton.cdiv(max(numel, 1), MAX_CHUNKS), sub) * sub
-    num_chunks = triton.cdiv(max(numel, 1), chunk)
     capacity = padded_capacity(numel, num_experts, block_m)
     max_blocks = capacity // block_m
     device = topk_ids.device
@@ -166,13 +163,15 @@ def moe_align(
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     blocks = max(16, 4096 // e_pad)
     if numel <= ONE_PROGRAM_MAX_PAIRS:
-        n_pad = triton.next_power_of_2(max(numel, 1))
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, numel, max_blocks,
-            NUM_EXPERTS=num_experts, E_PAD=e_pad, N_PAD=n_pad, BLOCK_M=block_m, BLOCKS=blocks,
-            num_warps=4 if n_pad <= 1024 else 8, **pdl_launch(ids),
+            NUM_EXPERTS=num_experts, E_PAD=e_pad, N_PAD=triton.next_power_of_2(max(numel, 1)), BLOCK_M=block_m,
+            BLOCKS=blocks, num_warps=4, **pdl_launch(ids),
         )
         return sorted_ids, block_expert, num_padded
+    sub = max(16, min(128, 4096 // e_pad))
+    chunk = triton.cdiv(triton.cdiv(numel, MAX_CHUNKS), sub) * sub
+    num_chunks = triton.cdiv(numel, chunk)
     offsets = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
     fill = triton.cdiv(capacity, num_chunks)
     warps = 4 if e_pad <= 64 else 8
