@@ -39,6 +39,10 @@ CONFIGS = {
     "dense-swap-tma": {"DENSE": True, "MODE": "swap", "BLOCK_M": 16, "up": _tma(16, 32), "down": _tma(32, 16)},
     "sorted-swap-tma": {"DENSE": False, "MODE": "swap", "BLOCK_M": 16, "up": _tma(16, 32), "down": _gemm(32, 16)},
     "sorted-dot-tma": {"DENSE": False, "MODE": "dot", "BLOCK_M": 32, "up": _tma(16, 16), "down": _tma(32, 32)},
+    # Activations in block order, read back as whole tiles by TMA (BLOCK_K 16 does not divide I = 24).
+    "sorted-dot-act-tma": {
+        "DENSE": False, "MODE": "dot", "BLOCK_M": 32, "ACT_TMA": True, "up": _tma(16, 16), "down": _tma(32, 16),
+    },
 }
 
 
@@ -59,11 +63,18 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-@pytest.fixture(params=["one-program", "three-kernels"])
+@pytest.fixture(params=["one-program", "one-launch", "three-kernels"])
 def align_path(request, monkeypatch):
-    """Both ways moe_align runs: one program (decode sizes) and the chunked three-kernel sort."""
-    if request.param == "three-kernels":
+    """Every way moe_align runs: one program, one launch of many, the chunked three-kernel sort.
+
+    Small sub-chunks and offset row blocks make the tiny test shapes take several of each.
+    """
+    if request.param != "one-program":
         monkeypatch.setattr(moe_align_module, "ONE_PROGRAM_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_align_module, "ONE_LAUNCH_SUB", 16)
+    if request.param == "three-kernels":
+        monkeypatch.setattr(moe_align_module, "ONE_LAUNCH_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_align_module, "OFFSET_ELEMENTS", 256)
     return request.param
 
 
@@ -145,6 +156,8 @@ def test_moe_align_drops_ids_out_of_range(align_path, poisoned):
         ("dense-swap-tma", 7, "random", torch.int32),
         ("sorted-swap-tma", 13, "one-expert", torch.int64),
         ("sorted-dot-tma", 21, "all-experts", torch.int32),
+        ("sorted-dot-act-tma", 21, "random", torch.int32),
+        ("sorted-dot-act-tma", 40, "one-expert", torch.int64),
     ],
 )
 def test_fused_moe_matches_reference_fp32(name, tokens, pattern, ids_dtype, poisoned):
@@ -186,6 +199,12 @@ def test_tma_config_falls_back_on_weights_tma_cannot_read(poisoned):
     unpacked = wide[:, : 2 * 24]
     assert unpacked.stride(0) != unpacked.shape[1] * unpacked.stride(1)
     got = fused_moe(x, unpacked, w2, weights, ids, config=CONFIGS["sorted-dot-tma"])
+    assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < 3e-5
+    # Down weights TMA cannot read, activations in block order: read back by pointer.
+    tall = torch.zeros(6, 40 + 8, 24, device=DEVICE)
+    tall[:, :40] = w2
+    assert tall[:, :40].stride(0) != 40 * 24
+    got = fused_moe(x, w13, tall[:, :40], weights, ids, config=CONFIGS["sorted-dot-act-tma"])
     assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < 3e-5
 
 
@@ -234,6 +253,17 @@ def test_tuner_writes_a_loadable_file(tmp_path):
     assert moe_config.validate_config(configs[1], 1) is None
 
 
+def test_tuner_tries_block_order_activations_only_where_tma_and_dot_tiles_allow():
+    from moeserve.ops.triton import tune_moe
+
+    plain = tune_moe.candidate_groupings(16384, 64, 6, quick=False)
+    hopper = tune_moe.candidate_groupings(16384, 64, 6, quick=False, tma=True)
+    assert not any(g.get("ACT_TMA") for g in plain)
+    extra = [g for g in hopper if g.get("ACT_TMA")]
+    assert extra and all(g["MODE"] == "dot" and g["BLOCK_M"] >= 64 and not g["DENSE"] for g in extra)
+    assert not any(g.get("ACT_TMA") for g in tune_moe.candidate_groupings(4, 64, 6, quick=False, tma=True))
+
+
 def test_tuner_with_shared_experts_names_the_stacked_count(tmp_path):
     from moeserve.ops.triton import tune_moe
 
@@ -252,6 +282,19 @@ def test_tuner_with_shared_experts_names_the_stacked_count(tmp_path):
 
 V2_LITE = (64, 2048, 1408, 6)
 V3_LIKE = (256, 7168, 2048, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("tokens", "topk", "experts", "block_m"),
+    # One program, one launch (decode at 256 with the shared experts fused; the largest size it
+    # takes), then the three kernels at a 16K-token prompt step.
+    [(64, 8, 66, 16), (256, 8, 66, 64), (1365, 6, 64, 128), (16384, 6, 64, 128)],
+)
+def test_gpu_moe_align_real_sizes(tokens, topk, experts, block_m, poisoned):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+    check_align(ids.to(device=DEVICE, dtype=torch.int32), experts, block_m)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,10 @@ Tiles are multiplied three ways (`MODE`): `dot` (tl.dot, tokens on the MMA's M s
 tl.dot; multiply-reduce one row at a time, for 1-8 rows, where an MMA tile would be mostly padding).
 A GEMM's config may ask for `TMA`: its weight tiles then arrive by bulk tensor copies from a
 descriptor (Hopper's tensor-memory accelerator) instead of per-thread loads, which lifts the
-compute-bound prefill sizes; the gathered token rows are always ordinary loads.
+compute-bound prefill sizes; the gathered token rows are ordinary loads. A sorted `dot` config
+may also set `ACT_TMA`: the gate/up GEMM then writes its activations in block order (row b * BLOCK_M
++ i of the sorted layout) instead of pair order, so the down GEMM reads each block's rows as one
+contiguous tile, by TMA too.
 The per-(token, slot) results are summed over top-k by a small kernel rather than atomics:
 deterministic, and no zero-fill or fp32 scratch the size of the output. A caller that adds a
 residual and normalises next can take them unsummed (`sum_slots=False`) and let the fused
@@ -122,11 +125,12 @@ def _tile_matmul(x_ptr, x_rows, x_mask, w_ptr, w_rows, w_mask,
 @triton.jit
 def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
                      K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TWO: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TWO: tl.constexpr, X_TMA: tl.constexpr):
     """(acc_a, acc_b) fp32 [BLOCK_M, BLOCK_N] = X[x_rows] @ W[row_a + n]^T (and W[row_b + n]^T when TWO).
 
     Weight tiles come through the tensor-memory accelerator (one bulk copy a tile, no address
-    arithmetic per thread); the gathered token rows still use ordinary loads.
+    arithmetic per thread). Gathered token rows use ordinary loads; with X_TMA (MODE dot) `x_ptr`
+    is a descriptor and the rows are the contiguous x_rows .. x_rows + BLOCK_M - 1.
     """
     offs_k = tl.arange(0, BLOCK_K)
     if MODE == 1:
@@ -137,7 +141,10 @@ def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
     for k0 in range(0, K, BLOCK_K):
         wa = w_desc.load([row_a, k0])
         wb = w_desc.load([row_b, k0]) if TWO else wa
-        x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, MODE == 1)
+        if X_TMA:
+            x = x_ptr.load([x_rows, k0])
+        else:
+            x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, MODE == 1)
         if PRECISION == "ieee":
             x, wa, wb = x.to(tl.float32), wa.to(tl.float32), wb.to(tl.float32)
         if MODE == 1:
@@ -161,11 +168,12 @@ def _moe_up_kernel(
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
     DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    ACT_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x @ gate_n) * (x @ up_n) for one block of pairs and BLOCK_N columns.
 
-    With TMA, `w_ptr` is a descriptor over the weights as [E * 2I, H] rows.
+    With TMA, `w_ptr` is a descriptor over the weights as [E * 2I, H] rows. With ACT_TMA the
+    row of a pair in `act` is its place in the sorted layout, not its flat index.
     """
     wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
@@ -177,7 +185,7 @@ def _moe_up_kernel(
         # A last tile past INTER reads the next rows (up, or zeros past the end); those columns are not stored.
         gate_row = (expert * 2 * INTER + pid_n * BLOCK_N).to(tl.int32)
         gate, up = _tile_matmul_tma(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr, gate_row, gate_row + INTER,
-                                    HIDDEN, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, True)
+                                    HIDDEN, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, True, False)
     else:
         # Gate and up rows interleaved so one MMA of 2 * BLOCK_N rows computes both; split after.
         r = tl.arange(0, 2 * BLOCK_N)
@@ -188,7 +196,8 @@ def _moe_up_kernel(
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     act = gate * tl.sigmoid(gate) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = act_ptr + flat[:, None] * stride_at + cols[None, :]
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) if ACT_TMA else flat
+    ptrs = act_ptr + rows[:, None] * stride_at + cols[None, :]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < INTER))
 
 
@@ -199,11 +208,12 @@ def _moe_down_kernel(
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
     DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    ACT_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (act[pair] @ down_n) for one block of pairs and BLOCK_N columns.
 
-    With TMA, `w_ptr` is a descriptor over the weights as [E * H, I] rows.
+    With TMA, `w_ptr` is a descriptor over the weights as [E * H, I] rows. With ACT_TMA the
+    activations are in block order, and with TMA too `act_ptr` is a descriptor over them.
     """
     wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
@@ -214,10 +224,15 @@ def _moe_down_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
         row = (expert * HIDDEN + pid_n * BLOCK_N).to(tl.int32)
-        acc, _ = _tile_matmul_tma(act_ptr, flat * stride_at, row_ok, w_ptr, row, row,
-                                  INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False)
+        if ACT_TMA:
+            acc, _ = _tile_matmul_tma(act_ptr, (pid_m * BLOCK_M).to(tl.int32), row_ok, w_ptr, row, row,
+                                      INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False, True)
+        else:
+            acc, _ = _tile_matmul_tma(act_ptr, flat * stride_at, row_ok, w_ptr, row, row,
+                                      INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False, False)
     else:
-        acc = _tile_matmul(act_ptr, flat * stride_at, row_ok, w_ptr + expert * stride_we,
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) if ACT_TMA else flat
+        acc = _tile_matmul(act_ptr, rows * stride_at, row_ok, w_ptr + expert * stride_we,
                            n.to(tl.int64) * stride_wn, n < HIDDEN, INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     acc *= tl.load(weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
     ptrs = out_ptr + flat[:, None] * stride_ot + n[None, :]
@@ -276,6 +291,11 @@ def _tma_ready(w: torch.Tensor) -> bool:
     return w.stride(0) == w.shape[1] * w.stride(1) and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
 
 
+def _act_tma(plan: RoutePlan) -> bool:
+    """Whether the activations go in block order, for a down GEMM that reads them by TMA."""
+    return bool(plan.config.get("ACT_TMA", False))
+
+
 def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor, w: torch.Tensor) -> dict:
     gemm = plan.config[part]
     return {
@@ -285,6 +305,7 @@ def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor, w: torch.Tensor) -
         "PRECISION": "ieee" if x.dtype == torch.float32 or _interpreting() else None,
         # Weights TMA cannot read get pointer loads even when the config asks for TMA.
         "TMA": bool(gemm.get("TMA", False)) and _tma_ready(w),
+        "ACT_TMA": _act_tma(plan),
         "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"], **pdl_launch(x),
     }
 
@@ -306,9 +327,11 @@ def _launch(kernel, grid: tuple[int], compile_only: bool, *args, **kwargs) -> No
 
 
 def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_only: bool = False) -> torch.Tensor:
-    """[T * k, I] silu(gate) * up for every (token, slot) pair."""
+    """[T * k, I] silu(gate) * up for every (token, slot) pair ([blocks * BLOCK_M, I] in block order
+    with ACT_TMA)."""
     inter = w13.shape[1] // 2
-    act = torch.empty(plan.num_tokens * plan.topk, inter, dtype=hidden.dtype, device=hidden.device)
+    rows = plan.num_m * plan.config["BLOCK_M"] if _act_tma(plan) else plan.num_tokens * plan.topk
+    act = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)
     args = _launch_args(plan, "up", hidden, w13)
     weights = _weights_arg(w13, args)
     grid = (plan.num_m * triton.cdiv(inter, args["BLOCK_N"]),)
@@ -323,13 +346,16 @@ def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_onl
 def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only: bool = False) -> torch.Tensor:
     """[T * k, H] routing weight * down(act) for every (token, slot) pair."""
     hidden_size = w2.shape[1]
-    out = torch.empty(act.shape[0], hidden_size, dtype=act.dtype, device=act.device)
+    out = torch.empty(plan.num_tokens * plan.topk, hidden_size, dtype=act.dtype, device=act.device)
     args = _launch_args(plan, "down", act, w2)
     weights = _weights_arg(w2, args)
+    rows = act
+    if args["ACT_TMA"] and args["TMA"]:
+        rows = TensorDescriptor(act, list(act.shape), list(act.stride()), [args["BLOCK_M"], args["BLOCK_K"]])
     grid = (plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"]),)
     _launch(
         _moe_down_kernel, grid, compile_only,
-        act, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
+        rows, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), INTER=act.shape[1], HIDDEN=hidden_size, **args,
     )
     return out

@@ -27,6 +27,7 @@ MODES = ("gemv", "swap", "dot")
 # The dense path computes every token against each hit expert; past this it wastes too much.
 DENSE_MAX_TOKENS = 16
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")  # and optional "TMA" (default off)
+# A config may also set "ACT_TMA" (default off): see fused_moe.
 
 Config = dict[str, Any]
 
@@ -106,6 +107,8 @@ def validate_config(config: Config, tokens: int) -> str | None:
             return "tl.dot needs BLOCK_N and BLOCK_K >= 16"
         if gemm.get("TMA") and config["MODE"] == "gemv":
             return "TMA weight tiles feed tl.dot: not with MODE gemv"
+    if config.get("ACT_TMA") and (config["DENSE"] or config["MODE"] != "dot" or not config["down"].get("TMA")):
+        return "ACT_TMA (activations in block order, read by TMA) needs the sorted dot path with a TMA down GEMM"
     return None
 
 
