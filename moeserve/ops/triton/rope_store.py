@@ -2,7 +2,8 @@
 
 Two programs per token read kv_a's output row once, write the normalised latent and the rotated
 rotary key both to the returned tensors and to the token's cache slot (scaled and saturated when
-the cache is FP8), and rotates the token's q_rope heads in place. cos/sin come from
+the cache is FP8), and rotates the token's q_rope heads in place. Rotary rows move as whole
+contiguous rows and are taken apart into pairs in registers. cos/sin come from
 positions * inv_freq in the kernel, so no cos/sin table is needed and the launch depends only on
 shapes (CUDA-graph safe). A negative slot skips the cache write (the reference would wrap it).
 """
@@ -43,16 +44,35 @@ def _cos_sin(pos, inv_freq_ptr, magnitude, HALF: tl.constexpr, BLOCK_HALF: tl.co
 
 
 @triton.jit
-def _pair_offsets(INTERLEAVED: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Offsets of the two members of each rotated pair: (2i, 2i+1) or (i, i + rope_dim / 2)."""
-    i = tl.arange(0, BLOCK_HALF)
+def _rope_columns(INTERLEAVED: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """(memory offset, valid) of each column of a [*, 2 * BLOCK_HALF] tile of rotary values.
+
+    Loaded whole, a row is one contiguous read (not two strided ones), and _split_pairs takes the
+    pairs apart in registers: interleaved pairs are (2i, 2i+1), the others (i, i + rope_dim / 2).
+    """
+    j = tl.arange(0, 2 * BLOCK_HALF)
     if INTERLEAVED:
-        first = 2 * i
-        second = first + 1
+        return j, j < 2 * HALF
+    return (j // BLOCK_HALF) * HALF + j % BLOCK_HALF, (j % BLOCK_HALF) < HALF
+
+
+@triton.jit
+def _split_pairs(x, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The pairs' first and second members, [ROWS, BLOCK_HALF] each, of a tile _rope_columns read."""
+    if INTERLEAVED:
+        x1, x2 = tl.split(tl.reshape(x, [ROWS, BLOCK_HALF, 2]))
     else:
-        first = i
-        second = i + HALF
-    return first, second
+        x1, x2 = tl.split(tl.permute(tl.reshape(x, [ROWS, 2, BLOCK_HALF]), (0, 2, 1)))
+    return x1, x2
+
+
+@triton.jit
+def _join_pairs(x1, x2, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Inverse of _split_pairs: the [ROWS, 2 * BLOCK_HALF] tile in _rope_columns order."""
+    y = tl.join(x1, x2)
+    if not INTERLEAVED:
+        y = tl.permute(y, (0, 2, 1))
+    return tl.reshape(y, [ROWS, 2 * BLOCK_HALF])
 
 
 @triton.jit
@@ -73,17 +93,17 @@ def _to_cache(x, kv_scale, CACHE_FP8: tl.constexpr, CACHE_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rotate_q(q_ptr, stride_qh, HEADS: tl.constexpr, cos, sin, first, second, mask):
+def _rotate_q(q_ptr, stride_qh, HEADS: tl.constexpr, cos, sin, offs, ok,
+              BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Rotate one token's q_rope heads in place, _HEAD_BLOCK heads at a time."""
     for h0 in tl.static_range(0, HEADS, _HEAD_BLOCK):
         h = h0 + tl.arange(0, _HEAD_BLOCK)
-        hmask = (h < HEADS)[:, None] & mask[None, :]
-        ptr = q_ptr + h.to(tl.int64)[:, None] * stride_qh
-        q1 = tl.load(ptr + first[None, :], mask=hmask, other=0.0)
-        q2 = tl.load(ptr + second[None, :], mask=hmask, other=0.0)
+        mask = (h < HEADS)[:, None] & ok[None, :]
+        ptr = q_ptr + h.to(tl.int64)[:, None] * stride_qh + offs[None, :]
+        q = tl.load(ptr, mask=mask, other=0.0)
+        q1, q2 = _split_pairs(q, _HEAD_BLOCK, BLOCK_HALF, INTERLEAVED)
         o1, o2 = _rotate(q1, q2, cos[None, :], sin[None, :])
-        tl.store(ptr + first[None, :], o1.to(q1.dtype), mask=hmask)
-        tl.store(ptr + second[None, :], o2.to(q1.dtype), mask=hmask)
+        tl.store(ptr, _join_pairs(o1.to(q.dtype), o2.to(q.dtype), _HEAD_BLOCK, BLOCK_HALF, INTERLEAVED), mask=mask)
 
 
 @triton.jit
@@ -115,19 +135,15 @@ def _mla_prep_kernel(
         # The rotary key, then q_rope with the same angles.
         half: tl.constexpr = ROPE // 2
         cos, sin = _cos_sin(tl.load(pos_ptr + tok), inv_freq_ptr, magnitude, half, BLOCK_HALF)
-        first, second = _pair_offsets(INTERLEAVED, half, BLOCK_HALF)
-        pmask = tl.arange(0, BLOCK_HALF) < half
-        k_src = kv_ptr + tok * stride_kv + RANK
-        k1 = tl.load(k_src + first, mask=pmask, other=0.0)
-        k2 = tl.load(k_src + second, mask=pmask, other=0.0)
-        r1, r2 = _rotate(k1, k2, cos, sin)
-        r1, r2 = r1.to(k1.dtype), r2.to(k1.dtype)
-        tl.store(k_rope_ptr + tok * ROPE + first, r1, mask=pmask)
-        tl.store(k_rope_ptr + tok * ROPE + second, r2, mask=pmask)
-        kmask = pmask & in_cache
-        tl.store(cache_row + RANK + first, _to_cache(r1, kv_scale, CACHE_FP8, cache_dtype), mask=kmask)
-        tl.store(cache_row + RANK + second, _to_cache(r2, kv_scale, CACHE_FP8, cache_dtype), mask=kmask)
-        _rotate_q(q_ptr + tok * stride_qt, stride_qh, HEADS, cos, sin, first, second, pmask)
+        offs, ok = _rope_columns(INTERLEAVED, half, BLOCK_HALF)
+        k = tl.load(kv_ptr + tok * stride_kv + RANK + offs[None, :], mask=ok[None, :], other=0.0)
+        k1, k2 = _split_pairs(k, 1, BLOCK_HALF, INTERLEAVED)
+        r1, r2 = _rotate(k1, k2, cos[None, :], sin[None, :])
+        k = _join_pairs(r1.to(k.dtype), r2.to(k.dtype), 1, BLOCK_HALF, INTERLEAVED)
+        tl.store(k_rope_ptr + tok * ROPE + offs[None, :], k, mask=ok[None, :])
+        tl.store(cache_row + RANK + offs[None, :], _to_cache(k, kv_scale, CACHE_FP8, cache_dtype),
+                 mask=ok[None, :] & in_cache)
+        _rotate_q(q_ptr + tok * stride_qt, stride_qh, HEADS, cos, sin, offs, ok, BLOCK_HALF, INTERLEAVED)
 
 
 def _check(
