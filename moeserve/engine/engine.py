@@ -99,7 +99,7 @@ class EngineCore:
             activation = runner.profile_activation_peak(engine.max_num_batched_tokens)
             # The graphs' shared pool holds one decode step's activations at the largest size
             # (a decode token needs far less than a prefill token: a quarter of the prefill peak
-            # is generous) plus the graphs' float32 logits buffer and its bf16 source.
+            # is generous) plus the graphs' bf16 logits buffer and a sampler's float32 copy of it.
             max_bs = engine.cuda_graph_max_bs or min(engine.max_num_seqs, 512)
             logits = max_bs * self.model_config.vocab_size * 6
             graph_reserve = 0 if engine.disable_cuda_graph else activation // 4 + logits
