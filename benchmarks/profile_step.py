@@ -1,6 +1,7 @@
 """Where a decode step's time goes: CUDA kernel times of replayed decode graphs and of a prefill.
 
 python benchmarks/profile_step.py --model DIR_OR_CONFIG [--load-format dummy] [--batch-sizes 1,8,64]
+    [--tokens-per-step 16384]
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--tokens-per-step", type=int, default=8192, help="prompt tokens a step (chunked prefill)")
     ap.add_argument(
         "--disable-cuda-graph", action="store_true", help="eager decode: the profiler sees its kernels"
     )
@@ -121,6 +123,8 @@ def main() -> None:
             max_model_len=4096,
             cuda_graph_max_bs=256,
             disable_cuda_graph=a.disable_cuda_graph,
+            max_num_batched_tokens=a.tokens_per_step,
+            chunked_prefill_size=a.tokens_per_step,
         )
     )
     if a.cpu_profile:
