@@ -13,9 +13,9 @@ tl.dot; multiply-reduce one row at a time, for 1-8 rows, where an MMA tile would
 A GEMM's config may ask for `TMA`: its weight tiles then arrive by bulk tensor copies from a
 descriptor (Hopper's tensor-memory accelerator) instead of per-thread loads, which lifts the
 compute-bound prefill sizes; the gathered token rows are ordinary loads. A sorted `dot` config
-may also set `ACT_TMA`: the gate/up GEMM then writes its activations in block order (row b * BLOCK_M
-+ i of the sorted layout) instead of pair order, so the down GEMM reads each block's rows as one
-contiguous tile, by TMA too.
+may also set `ACT_TMA`: the gate/up GEMM then writes its activations in block order (a pair's row
+is its place in the sorted layout) instead of pair order, so the down GEMM reads each block's rows
+as one contiguous tile, by TMA too.
 The per-(token, slot) results are summed over top-k by a small kernel rather than atomics:
 deterministic, and no zero-fill or fp32 scratch the size of the output. A caller that adds a
 residual and normalises next can take them unsummed (`sum_slots=False`) and let the fused
@@ -349,13 +349,13 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only:
     out = torch.empty(plan.num_tokens * plan.topk, hidden_size, dtype=act.dtype, device=act.device)
     args = _launch_args(plan, "down", act, w2)
     weights = _weights_arg(w2, args)
-    rows = act
+    act_arg = act
     if args["ACT_TMA"] and args["TMA"]:
-        rows = TensorDescriptor(act, list(act.shape), list(act.stride()), [args["BLOCK_M"], args["BLOCK_K"]])
+        act_arg = TensorDescriptor(act, list(act.shape), list(act.stride()), [args["BLOCK_M"], args["BLOCK_K"]])
     grid = (plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"]),)
     _launch(
         _moe_down_kernel, grid, compile_only,
-        rows, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
+        act_arg, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), INTER=act.shape[1], HIDDEN=hidden_size, **args,
     )
     return out

@@ -58,7 +58,7 @@ def candidate_groupings(tokens: int, experts: int, topk: int, quick: bool, tma: 
     groupings = [{"DENSE": d, "MODE": m, "BLOCK_M": bm} for d, m, bm in out]
     if tma:
         # Activations in block order, read back by TMA: the down GEMM 8% faster at 16K prompt
-        # tokens on H200, even at 2-4K, 1% slower at 1K (tiles too few to hide the difference).
+        # tokens on H200, even at 2-4K, 1% slower at 1K.
         groupings += [{**g, "ACT_TMA": True} for g in groupings if g["MODE"] == "dot" and g["BLOCK_M"] >= 64]
     return groupings
 
