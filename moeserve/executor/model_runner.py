@@ -297,12 +297,9 @@ class ModelRunner:
         rows = [it for it in items if it.samples]
         if not rows:
             return StepHandle(rows, None)
-        params = sampling_batch(rows, self.config.vocab_size, self._to_device)
         if ban_stop_tokens(logits, rows):
             greedy = None  # the graph's argmax predates the bans
-        if greedy is None or not params.all_greedy or params.num_logprobs >= 0:
-            logits = logits.float()  # a decode graph's logits are bf16; widening is exact
-        out = sample(logits, params, greedy)
+        out = sample(logits, sampling_batch(rows, self.config.vocab_size, self._to_device), greedy)
         # Sampling rows were numbered 0..N-1 in this order when the step was committed.
         self.future_tokens[batch.parity, : len(rows)].copy_(out.token_ids)
         return StepHandle(rows, out.to_host())

@@ -109,7 +109,13 @@ def argmax_rows(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor | None = None) -> SamplerOutput:
-    """Pick one token per row of float32 `logits` [N, vocab] (`greedy_tokens`: its argmax, if known)."""
+    """Pick one token per row of `logits` [N, vocab] (`greedy_tokens`: its argmax, if known).
+
+    Half-precision logits (a decode graph's) are widened to float32, exactly, only where a row
+    samples or logprobs are wanted: an all-greedy step with its argmax known never touches them.
+    """
+    if greedy_tokens is None or not batch.all_greedy or batch.num_logprobs >= 0:
+        logits = logits.float()
     if greedy_tokens is None:
         greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:

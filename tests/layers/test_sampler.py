@@ -71,6 +71,18 @@ def test_greedy_rows_and_logprobs():
     assert torch.allclose(out.top_logprobs[:, 0], out.logprobs)
 
 
+def test_half_precision_logits_are_widened_where_used():
+    """A decode graph's bf16 logits: greedy argmax kept as given, logprobs and sampling in float32."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]]).bfloat16()
+    greedy = torch.tensor([1, 0])
+    assert sample(logits, SamplingBatch.greedy(), greedy).token_ids is greedy
+    out = sample(logits, SamplingBatch.greedy(num_logprobs=1), greedy)
+    assert out.logprobs.dtype == torch.float32
+    assert torch.allclose(out.logprobs, logits.float().log_softmax(-1)[[0, 1], [1, 0]])
+    b = batch(2, 3, temperature=torch.tensor([0.0, 1.0]))
+    assert sample(logits, b).token_ids[0] == 1  # no greedy ids given: the argmax of the widened logits
+
+
 def test_same_seed_same_tokens_regardless_of_batch_neighbours():
     torch.manual_seed(1)
     logits = torch.randn(3, 100)

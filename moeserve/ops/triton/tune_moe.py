@@ -34,6 +34,11 @@ def _gemm(bn: int, bk: int, warps: int, stages: int, group_m: int = 1) -> dict:
     return {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}
 
 
+def _has_tma(t: torch.Tensor) -> bool:
+    """Whether `t` lives on a GPU with the tensor-memory accelerator (Hopper or later)."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
 def candidate_groupings(tokens: int, experts: int, topk: int, quick: bool, tma: bool = False) -> list[Config]:
     """Token groupings worth timing at this load (config skeletons without GEMM tiles).
 
@@ -180,7 +185,7 @@ def tune_grouping(grouping: Config, inputs: dict, search: dict, flush) -> tuple[
     """Best tiles for both GEMMs under one grouping -> (full config, timings in us)."""
     hidden, w13, w2 = inputs["hidden"], inputs["w13"], inputs["w2"]
     item, quick, cap, iters = hidden.element_size(), search["quick"], search["max_candidates"], search["iters"]
-    tma = hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) >= (9, 0)
+    tma = _has_tma(hidden)
     ups = candidate_gemms(grouping, "up", item, quick, tma)[:cap]
     downs = candidate_gemms(grouping, "down", item, quick, tma)
     if grouping.get("ACT_TMA"):
@@ -229,8 +234,7 @@ def tune_batch(tokens: int, weights: tuple, topk: int, search: dict, flush, shar
     inputs = make_inputs(tokens, weights, topk, shared)
     results = []
     w = weights[0]
-    tma = w.is_cuda and torch.cuda.get_device_capability(w.device) >= (9, 0)
-    for grouping in candidate_groupings(tokens, w.shape[0], topk + shared, search["quick"], tma):
+    for grouping in candidate_groupings(tokens, w.shape[0], topk + shared, search["quick"], _has_tma(w)):
         try:
             results.append(tune_grouping(grouping, inputs, search, flush))
         except Exception as exc:
