@@ -79,6 +79,14 @@ class MLAAttention(nn.Module):
         q, kv = self._project(hidden)
         cache = batch.kv_cache.layer(self.layer_idx)
         kv_scale = batch.kv_cache.kv_scale
+        d = batch.num_decode_tokens
+        w_uk, w_uv = self._w_uk_uv()
+        # Decode rows' queries are absorbed (q_nope @ W_UK per head) by the same op that prepares
+        # the tokens: on the GPU one launch for both.
+        absorb = {}
+        if d:
+            q_latent = q.new_empty(d, self.num_heads, self.kv_lora_rank)
+            absorb = dict(q_nope=q[:d, :, : self.nope_dim], w_uk=w_uk, q_latent=q_latent)
         latent, k_rope = ops.mla_rope_norm_store(
             positions,
             q[..., self.nope_dim :],
@@ -91,13 +99,11 @@ class MLAAttention(nn.Module):
             cache,
             batch.slot_mapping,
             kv_scale,
+            **absorb,
         )
-        d = batch.num_decode_tokens
-        w_uk, w_uv = self._w_uk_uv()
         # Every path writes its rows of `out` in place: no concatenation or copy before o_proj.
         out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
         if d:
-            q_latent = per_head_matmul(q[:d, :, : self.nope_dim], w_uk)
             b = batch.num_decodes
             o_latent = ops.mla_decode(
                 q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale, kv_scale

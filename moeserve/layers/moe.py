@@ -8,6 +8,7 @@ from torch import nn
 
 from moeserve import ops
 from moeserve.config.model_config import ModelConfig
+from moeserve.layers.norm import RMSNorm
 
 # Up to this many tokens the shared experts run inside the fused MoE kernels as extra experts:
 # that saves three launches a layer and streams their weights at the MoE kernels' bandwidth.
@@ -22,6 +23,9 @@ FUSED_SHARED_MAX_TOKENS = 384
 # Triton kernel (K split over 32 SMs); cuBLAS gives a [T, 2048] x [2048, 64] product one program.
 GEMV_ROUTER_MAX_TOKENS = 8
 SKINNY_ROUTER_MAX_TOKENS = 64
+# Up to this many tokens the residual add + RMSNorm before a MoE, its router and the expert
+# selection are one kernel (ops.add_norm_route): two launches fewer a layer at decode sizes.
+NORM_ROUTE_MAX_TOKENS = 8
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,11 +59,26 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights fp32 [T, k + S], expert ids [T, k + S]); the S shared experts come last."""
+    def forward(
+        self, x: torch.Tensor, num_shared: int = 0, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """-> (weights fp32 [T, k + S], expert ids [T, k + S]); the S shared experts come last.
+
+        Given `residual` and `norm`, x is not yet normalised: the residual add + norm run with the
+        routing (one kernel on the GPU) -> (weights, ids, norm(x + residual), x + residual).
+        """
+        if norm is None:
+            return ops.select_experts(router_logits(x, self.weight), **self.rules(num_shared))
+        assert residual is not None
+        normed, summed, weights, ids = ops.add_norm_route(
+            x, residual, norm.weight, norm.eps, self.weight, **self.rules(num_shared)
+        )
+        return weights, ids, normed, summed
+
+    def rules(self, num_shared: int) -> dict:
+        """The expert-selection keywords of `ops.select_experts` for this model."""
         c = self.config
-        return ops.select_experts(
-            router_logits(x, self.weight),
+        return dict(
             top_k=c.num_experts_per_tok,
             topk_method=c.topk_method,
             scoring_func=c.scoring_func,
@@ -114,14 +133,32 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
         """[T, H]; with sum_slots False it may instead return the per-expert parts [T, slots, H],
         for a caller whose next op sums them anyway (the fused add + RMSNorm)."""
+        shared = self._shared_in_kernels(x)
+        weights, ids = self.gate(x, self.experts.num_shared if shared else 0)
+        return self._experts(x, weights, ids, shared, sum_slots)
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual), sum_slots=False), x + residual); up to NORM_ROUTE_MAX_TOKENS
+        the add + norm, router and expert selection are one kernel."""
+        if x.shape[0] > NORM_ROUTE_MAX_TOKENS:
+            normed, residual = norm.add_and_norm(x, residual)
+            return self(normed, sum_slots=False), residual
+        shared = self._shared_in_kernels(x)
+        weights, ids, normed, residual = self.gate(x, self.experts.num_shared if shared else 0, residual, norm)
+        return self._experts(normed, weights, ids, shared, sum_slots=False), residual
+
+    def _shared_in_kernels(self, x: torch.Tensor) -> bool:
+        return bool(self.experts.num_shared) and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
+
+    def _experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: bool, sum_slots: bool
+    ) -> torch.Tensor:
         experts = self.experts
-        if experts.num_shared and x.shape[0] <= FUSED_SHARED_MAX_TOKENS:
-            weights, ids = self.gate(x, experts.num_shared)
+        if shared or not experts.num_shared:
             return ops.fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids, sum_slots=sum_slots)
-        weights, ids = self.gate(x)
         e = experts.num_routed
         out = ops.fused_moe(x, experts.w13_weight[:e], experts.w2_weight[:e], weights, ids)
-        return experts.add_shared(x, out) if experts.num_shared else out
+        return experts.add_shared(x, out)
 
     def warm_up(self, max_tokens: int) -> list[int]:
         """Run once at every token count where the fused kernels' config changes (GPU only), so
@@ -141,4 +178,6 @@ class MoE(nn.Module):
         x = torch.randn(max(sizes, default=0), w.shape[2], dtype=w.dtype, device=w.device)
         for tokens in sizes:
             self(x[:tokens])
+        if sizes:  # one variant serves every token count of the add + norm + route kernel
+            self.add_norm_forward(x[:1], x[:1], RMSNorm(w.shape[2]).to(w.device, w.dtype))
         return sizes

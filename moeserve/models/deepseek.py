@@ -39,9 +39,9 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         if isinstance(self.mlp, MoE):
-            return self.mlp(hidden, sum_slots=False), residual
+            return self.mlp.add_norm_forward(hidden, residual, self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
 

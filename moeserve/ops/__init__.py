@@ -48,6 +48,7 @@ mla_decode = _dispatch("mla_decode", _ref_attention.mla_decode, "mla_decode")
 mla_extend_absorbed = _dispatch("mla_extend_absorbed", _ref_attention.mla_extend_absorbed, "mla_extend")
 varlen_attention = _dispatch("varlen_attention", _ref_attention.varlen_attention, "flash_attention")
 fused_moe = _dispatch("fused_moe", _ref_moe.fused_moe, "fused_moe")
+add_norm_route = _dispatch("add_norm_route", _ref_moe.add_norm_route, "norm_route")
 select_experts = _dispatch("select_experts", _ref_moe.select_experts, "routing")
 rms_norm = _dispatch("rms_norm", _ref_norm.rms_norm, "norm")
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", _ref_norm.fused_add_rms_norm, "norm")
@@ -60,6 +61,7 @@ unpack_decode_inputs = _dispatch(
 )
 
 __all__ = [
+    "add_norm_route",
     "fused_add_rms_norm",
     "fused_moe",
     "gather_kv",

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.triton import gemv as gemv_module
 from moeserve.ops.triton.gemv import MAX_ROWS, GemvConfig, fits, gemv, linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,13 +52,29 @@ def test_linear_falls_back_past_the_gemv_and_rejects_what_it_cannot_take():
         gemv(rand(gen, 2, 31), w)
 
 
+@pytest.mark.parametrize("block_k", [16, 256])
+def test_linear_takes_the_skinny_gemm_between_the_gemv_and_cublas(block_k, monkeypatch):
+    """Half-precision rows past the GEMV's rows x N limit, up to SKINNY_MAX_ROWS, when it is on."""
+    monkeypatch.setattr(gemv_module, "SKINNY_MAX_ROWS", 16)
+    monkeypatch.setattr(gemv_module, "SKINNY_BLOCK_K", block_k)
+    gen = torch.Generator().manual_seed(9 + block_k)
+    w = rand(gen, 2000, 40, dtype=torch.bfloat16)  # K 40: the tile's K columns are masked
+    for rows in (5, 16):
+        x = rand(gen, rows, 40, dtype=torch.bfloat16)
+        assert not fits(x, w) and gemv_module._skinny_fits(x, w, None, None)
+        got = linear(x, w)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), x.float() @ w.float().t(), rtol=1e-2, atol=2e-2)
+    assert not gemv_module._skinny_fits(rand(gen, 17, 40, dtype=torch.bfloat16), w, None, None)
+
+
 # --- GPU: DeepSeek-V2-Lite decode shapes in bfloat16 --------------------------------------------
 
 SHAPES = {"fused_qkv_a": (3648, 2048), "o_proj": (2048, 2048), "router": (64, 2048), "odd": (1000, 1500)}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_gpu_projections_match_cublas(name, rows):
     n, k = SHAPES[name]

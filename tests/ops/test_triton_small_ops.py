@@ -255,6 +255,52 @@ def test_mla_rope_norm_store_rejects_bad_shapes():
         tri_rope.mla_rope_norm_store(positions, q[..., 8:], kv, weight, 1e-6, inv_freq, 1.0, True, cache[..., :-2], slots)
 
 
+def run_absorbing(args, nope, rows, v_dim, gen):
+    """run_both with the first `rows` tokens' queries absorbed by a per-head W_UK, as the model asks:
+    W_UK a strided view of kv_b_proj's weight, q_latent the leading rows of a NaN-filled buffer."""
+    q, kv, weight, positions, inv_freq, cache, slots = args
+    heads, rank = q.shape[1], weight.shape[0]
+    kv_b = (torch.randn(heads, nope + v_dim, rank, generator=gen) * nope**-0.5).to(q)
+    results = []
+    for impl in (tri_rope.mla_rope_norm_store, ref_rope.mla_rope_norm_store):
+        q_i, cache_i = q.clone(), cache.clone()
+        buffer = torch.full((rows + 2, heads, rank), float("nan"), dtype=q.dtype, device=q.device)
+        outs = impl(positions, q_i[..., nope:], kv, weight, 1e-6, inv_freq, 0.8, True, cache_i, slots,
+                    q_nope=q_i[:rows, :, :nope], w_uk=kv_b[:, :nope], q_latent=buffer[:rows])
+        assert torch.isnan(buffer[rows:]).all()
+        results.append((outs, q_i, cache_i, buffer[:rows]))
+    return results
+
+
+@pytest.mark.parametrize("fused_max", [tri_rope.FUSED_ABSORB_MAX_ROWS, 2])
+@pytest.mark.parametrize("tokens,rows", [(5, 3), (22, 20), (3, 1)])
+def test_mla_rope_norm_store_absorbs_w_uk(fused_max, tokens, rows, monkeypatch):
+    """Absorbed queries in the same launch (or apart outside FUSED_ABSORB_MIN/MAX_ROWS), prepared tokens unchanged."""
+    monkeypatch.setattr(tri_rope, "FUSED_ABSORB_MAX_ROWS", fused_max)
+    monkeypatch.setattr(tri_rope, "FUSED_ABSORB_MIN_ROWS", 1)
+    gen = torch.Generator().manual_seed(tokens + fused_max)
+    nope = 12  # not a power of two: the absorbing programs mask their K
+    args = rope_inputs(gen, tokens, 3, nope, 80, 8, torch.float32, 4, torch.float32)
+    (got, got_q, got_cache, got_lat), (want, want_q, want_cache, want_lat) = run_absorbing(args, nope, rows, 8, gen)
+    torch.testing.assert_close(got_lat, want_lat, rtol=1e-4, atol=1e-4)
+    for g, w in zip((*got, got_q, got_cache), (*want, want_q, want_cache), strict=True):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+
+
+def test_mla_rope_norm_store_absorb_rejects_bad_shapes():
+    gen = torch.Generator().manual_seed(14)
+    q, kv, weight, positions, inv_freq, cache, slots = rope_inputs(gen, 3, 2, 8, 16, 8, torch.float32, 4, torch.float32)
+    args = (positions, q[..., 8:], kv, weight, 1e-6, inv_freq, 1.0, True, cache, slots)
+    w_uk = torch.zeros(2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="needs w_uk"):
+        tri_rope.mla_rope_norm_store(*args, q_nope=q[:2, :, :8])
+    with pytest.raises(ValueError, match="does not give"):
+        tri_rope.mla_rope_norm_store(*args, q_nope=q[:2, :, :8], w_uk=w_uk, q_latent=torch.zeros(2, 2, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="must be"):
+        tri_rope.mla_rope_norm_store(*args, q_nope=torch.zeros(4, 2, 8, device=DEVICE), w_uk=w_uk,
+                                     q_latent=torch.zeros(4, 2, 16, device=DEVICE))
+
+
 # --- GPU: real shapes, FP8 caches, CUDA graphs ---------------------------------------------------
 
 
@@ -291,6 +337,21 @@ def test_gpu_mla_rope_norm_store_at_model_shapes(cache_dtype, kv_scale, interlea
         torch.testing.assert_close(g, w, **tol(torch.bfloat16))
     torch.testing.assert_close(got_q, want_q, **tol(torch.bfloat16))
     assert_cache_close(got_cache, want_cache, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 17, 64, 256, 300])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_mla_rope_norm_store_absorbs_w_uk_at_model_shapes(rows, heads):
+    """Decode batches up to FUSED_ABSORB_MAX_ROWS absorb in the launch; 300 rows take cuBLAS."""
+    gen = torch.Generator().manual_seed(rows + heads)
+    args = rope_inputs(gen, rows + 3, heads, 128, 512, 64, torch.bfloat16, 16, torch.bfloat16, device="cuda")
+    (got, got_q, got_cache, got_lat), (want, want_q, want_cache, want_lat) = run_absorbing(args, 128, rows, 128, gen)
+    # bf16 outputs of float32 sums taken in another order: within a bf16 step.
+    torch.testing.assert_close(got_lat, want_lat, **tol(torch.bfloat16))
+    assert (got_lat - want_lat).norm() / want_lat.norm() < 4e-3
+    for g, w in zip((*got, got_q, got_cache), (*want, want_q, want_cache), strict=True):
+        torch.testing.assert_close(g, w, **tol(torch.bfloat16))
 
 
 @pytest.mark.gpu

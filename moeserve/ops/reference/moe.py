@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.reference.linear import linear
+from moeserve.ops.reference.norm import fused_add_rms_norm
+
 
 def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, use_top2_sum: bool) -> torch.Tensor:
     """True for experts inside the `topk_group` best groups of each token."""
@@ -96,3 +99,18 @@ def fused_moe(
     for rows, _, y in _weighted_outputs(hidden, w13, w2, topk_weights, topk_ids):
         out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
+
+
+def add_norm_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    **routing,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's entry: (normed, summed, weights, ids) = the fused add + RMSNorm of x and
+    residual, then the router's float32 logits of `normed` and `select_experts(**routing)` on them."""
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    weights, ids = select_experts(linear(normed, router_weight, out_dtype=torch.float32), **routing)
+    return normed, summed, weights, ids

@@ -39,13 +39,25 @@ def mla_rope_norm_store(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: float = 1.0,
+    *,
+    q_nope: torch.Tensor | None = None,
+    w_uk: torch.Tensor | None = None,
+    q_latent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepare MLA's new tokens in one step.
 
     `kv` is kv_a_proj_with_mqa's output [T, rank + rope_dim]. Normalises the latent, rotates the
     rotary key and `q_rope` [T, heads, rope_dim] (in place), and writes latent + rotary key into the
     paged cache. Returns (normalised latent [T, rank], rotated rotary key [T, rope_dim]).
+
+    Given `q_nope` [D, heads, nope] (the first D <= T tokens' non-rotary queries) and `w_uk`
+    [heads, nope, rank], also writes the absorbed queries q_nope @ w_uk per head into `q_latent`
+    [D, heads, rank], summed in float32.
     """
+    if q_nope is not None:
+        assert w_uk is not None and q_latent is not None
+        absorbed = torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
+        q_latent.copy_(absorbed)
     rank = norm_weight.shape[0]
     latent = rms_norm(kv[:, :rank], norm_weight, eps)
     cos, sin = rope_cos_sin(positions, inv_freq, magnitude)

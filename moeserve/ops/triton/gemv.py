@@ -6,7 +6,8 @@ of their loads *before* `wait_for_prior_grid`: weights are never written by a ke
 programmatic dependent launch the weight stream overlaps the tail of the kernel before (cuBLAS
 cannot, which is where its GEMVs lose: 6 us for a 15 MB fused_qkv_a on H200 against a 3.5 us
 stream). Then it reads x and reduces each row in float32. Rows of K beyond `MAX_K` do not fit in
-registers; `linear` hands those, and calls with too many rows, to cuBLAS.
+registers; `linear` hands those, and calls with too many rows, to the skinny GEMM (a few more
+rows: each program's whole K slice of weight rows loaded before the wait, then one MMA) or cuBLAS.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from moeserve.ops.reference.linear import linear as reference_linear
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+from moeserve.ops.triton.skinny_gemm import SkinnyConfig, skinny_bmm
 
 MAX_ROWS = 8
 # Its float32 multiply-reduce grows with rows x N while cuBLAS's MMA path stays flat; measured on
@@ -28,6 +30,18 @@ MAX_ROWS = 8
 # against 7.1, the router (N 64) 1.9 - 5.2 against 5.7.
 MAX_ROWS_X_N = 8192
 MAX_K = 8192
+# Past the GEMV's rows, up to SKINNY_MAX_ROWS rows go to the skinny GEMM with this tile rather
+# than cuBLAS. Its pipeline (32 weight rows x 128 columns a step, 6 stages) keeps enough loads in
+# flight that the weight stream beats cuBLAS's small-M kernels, and its first tile loads before
+# the PDL wait. H200, behind an RMSNorm at 8 rows (benchmarks/kernels/check_gemv.py --skinny):
+# fused_qkv_a 7.24 against 7.94 us, o_proj 6.32 against 7.15; decode-graph replay b8 -2.3%,
+# b16 -1.8%. Whole-K tiles (one step) were far slower (10-15 us): too few loads in flight.
+SKINNY_MAX_ROWS = 16
+SKINNY_MAX_K = 8192
+SKINNY_BLOCK_N = 32
+SKINNY_BLOCK_K = 128
+SKINNY_WARPS = 4
+SKINNY_STAGES = 6
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -106,12 +120,31 @@ def gemv(
     return out
 
 
+def _skinny_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> bool:
+    """Whether a projection too wide for the GEMV goes to the skinny GEMM's whole-K tiles."""
+    return (
+        x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and bias is None and out_dtype in (None, x.dtype)
+        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2
+        and weight.shape[1] <= SKINNY_MAX_K and weight.stride(1) == 1
+    )
+
+
+def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    block_k = min(SKINNY_BLOCK_K, max(16, triton.next_power_of_2(x.shape[1])))
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    config = SkinnyConfig(SKINNY_BLOCK_N, block_k, 1, SKINNY_WARPS, SKINNY_STAGES)
+    skinny_bmm(x[None], weight[None], out[None], config=config)
+    return out
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """The reference `linear`: through the GEMV for decode-size inputs, cuBLAS otherwise."""
+    """The reference `linear`: through the GEMV or the skinny GEMM for decode-size inputs, cuBLAS otherwise."""
     if fits(x, weight) and x.dtype == weight.dtype:
         return gemv(x, weight, bias, out_dtype)
+    if _skinny_fits(x, weight, bias, out_dtype):
+        return _skinny_linear(x, weight)
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight, bias)
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):

@@ -6,6 +6,12 @@ the cache is FP8), and rotates the token's q_rope heads in place. Rotary rows mo
 contiguous rows and are taken apart into pairs in registers. cos/sin come from
 positions * inv_freq in the kernel, so no cos/sin table is needed and the launch depends only on
 shapes (CUDA-graph safe). A negative slot skips the cache write (the reference would wrap it).
+
+For decode rows the same launch can also absorb W_UK into the queries (q_nope @ W_UK per head,
+the absorbed MLA form's first matmul): extra programs, one per (row block, head, latent column
+block), load their W_UK slice before waiting on the previous kernel (weights are never a kernel's
+output), then multiply the rows' q_nope by it. That saves the separate per-head GEMM's launch,
+a few microseconds a layer at decode sizes.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import triton.language as tl
 from moeserve.ops.reference.attention import FP8_MAX
 from moeserve.ops.triton.norm import normalize_row
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+from moeserve.ops.triton.skinny_gemm import skinny_bmm
 
 # Cody-Waite split of 2*pi: A and B have 8 significant bits, so turns * A and turns * B are exact
 # for turns < 2^16 (angles up to ~400k radians, beyond any position times DeepSeek's largest
@@ -27,6 +34,14 @@ _TWO_PI_C = tl.constexpr(5.070363180226925e-06)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _HEAD_BLOCK = tl.constexpr(16)  # q_rope heads rotated per step: bounds registers at 128 heads
+# Decode rows in this range get W_UK absorbed inside this kernel, others a separate GEMM. H200
+# decode-graph replay, fused against apart: b8 -2.8%, b64 -1.2%, b256 -1.0%, but b1 +1.0%.
+FUSED_ABSORB_MIN_ROWS = 2
+FUSED_ABSORB_MAX_ROWS = 256
+ABSORB_BLOCK_C = 64  # latent columns per absorbing program
+SKINNY_MAX_ROWS = 16  # without the fusion: the skinny Triton GEMM up to here, then cuBLAS
+
+_COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -107,22 +122,62 @@ def _rotate_q(q_ptr, stride_qh, HEADS: tl.constexpr, cos, sin, offs, ok,
 
 
 @triton.jit
+def _absorb_rows(
+    pid, q_nope_ptr, w_uk_ptr, q_lat_ptr, num_rows, stride_nt, stride_nh, stride_wh, stride_wn, stride_lt, stride_lh,
+    HEADS: tl.constexpr, NOPE: tl.constexpr, RANK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """q_latent[rows, head, cols] = q_nope[rows, head] @ w_uk[head][:, cols] for one program's block."""
+    col_blocks: tl.constexpr = (RANK + BLOCK_C - 1) // BLOCK_C
+    cols = (pid % col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    head = (pid // col_blocks) % HEADS
+    rows = (pid // (col_blocks * HEADS)) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, BLOCK_NOPE)
+    c_ok = cols < RANK
+    k_ok = k < NOPE
+    w = tl.load(w_uk_ptr + head * stride_wh + k[:, None] * stride_wn + cols[None, :],
+                mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+    wait_for_prior_grid(PDL)
+    r_ok = rows < num_rows
+    rows = rows.to(tl.int64)
+    q = tl.load(q_nope_ptr + rows[:, None] * stride_nt + head * stride_nh + k[None, :],
+                mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = tl.dot(q.to(COMPUTE), w.to(COMPUTE), input_precision=PRECISION)
+    tl.store(q_lat_ptr + rows[:, None] * stride_lt + head * stride_lh + cols[None, :],
+             acc.to(q_lat_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["absorb_programs", "absorb_rows"])
 def _mla_prep_kernel(
     pos_ptr, q_ptr, kv_ptr, w_ptr, inv_freq_ptr, cache_ptr, slot_ptr, latent_ptr, k_rope_ptr,
     stride_qt, stride_qh, stride_kv, stride_slot, eps, magnitude, kv_scale,
+    q_nope_ptr, w_uk_ptr, q_lat_ptr, absorb_programs, absorb_rows,
+    stride_nt, stride_nh, stride_wh, stride_wn, stride_lt, stride_lh,
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr, ABSORB: tl.constexpr, NOPE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (token, part): part 0 the latent, part 1 the rotary key and q_rope heads."""
+    """Programs 2 * token + part (part 0 the latent, part 1 the rotary key and q_rope heads), after
+    the W_UK-absorbing programs when ABSORB."""
+    pid = tl.program_id(0)
+    if ABSORB:
+        if pid < absorb_programs:
+            _absorb_rows(
+                pid, q_nope_ptr, w_uk_ptr, q_lat_ptr, absorb_rows, stride_nt, stride_nh, stride_wh, stride_wn,
+                stride_lt, stride_lh, HEADS, NOPE, RANK, BLOCK_T, BLOCK_NOPE, BLOCK_C, COMPUTE, PRECISION, PDL,
+            )
+            return
+        pid -= absorb_programs
     wait_for_prior_grid(PDL)
-    tok = tl.program_id(0).to(tl.int64)
+    tok = (pid // 2).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     in_cache = slot >= 0
     cache_row = cache_ptr + slot * stride_slot
     cache_dtype = cache_ptr.dtype.element_ty
     # Two independent halves in two programs: at decode sizes each is a chain of dependent
     # memory round trips, and side by side they take the time of one.
-    if tl.program_id(1) == 0:
+    if pid % 2 == 0:
         # The latent: RMSNorm, then to the returned tensor and the cache.
         cols = tl.arange(0, BLOCK_RANK)
         cmask = cols < RANK
@@ -169,6 +224,52 @@ def _check(
         raise ValueError(f"mla_rope_norm_store: inv_freq has {inv_freq.numel()} values, expected {rope // 2}")
 
 
+def _check_absorb(q_nope: torch.Tensor, w_uk: torch.Tensor | None, q_latent: torch.Tensor | None, tokens: int) -> None:
+    """Raise unless q_nope [D <= T, H, nope] @ w_uk [H, nope, rank] -> q_latent [D, H, rank] can run."""
+    if w_uk is None or q_latent is None:
+        raise ValueError("mla_rope_norm_store: q_nope needs w_uk and q_latent too")
+    if q_nope.dim() != 3 or w_uk.dim() != 3 or q_nope.shape[0] > tokens:
+        raise ValueError(f"mla_rope_norm_store: q_nope {tuple(q_nope.shape)} must be [D <= {tokens}, H, nope]")
+    rows, heads, nope = q_nope.shape
+    if w_uk.shape[:2] != (heads, nope) or tuple(q_latent.shape) != (rows, heads, w_uk.shape[2]):
+        raise ValueError(
+            f"mla_rope_norm_store: q_nope {tuple(q_nope.shape)} @ w_uk {tuple(w_uk.shape)} does not give "
+            f"q_latent {tuple(q_latent.shape)}"
+        )
+    if q_nope.stride(2) != 1 or w_uk.stride(2) != 1 or q_latent.stride(2) != 1:
+        raise ValueError("mla_rope_norm_store: q_nope, w_uk and q_latent need contiguous rows")
+
+
+def _absorb_apart(q_nope: torch.Tensor, w_uk: torch.Tensor, q_latent: torch.Tensor) -> None:
+    """The per-head product as its own GEMM (rows past FUSED_ABSORB_MAX_ROWS), as the model ran it
+    before: the skinny GEMM up to 16 rows, cuBLAS past that."""
+    if q_nope.shape[0] <= SKINNY_MAX_ROWS:
+        skinny_bmm(q_nope.transpose(0, 1), w_uk.transpose(1, 2), q_latent.transpose(0, 1))
+    else:
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_latent.transpose(0, 1))
+
+
+def _absorb_launch(q_nope: torch.Tensor | None, w_uk: torch.Tensor | None, q_latent: torch.Tensor | None) -> dict:
+    """The kernel's W_UK arguments: the absorbing programs' operands, or placeholders when there are none."""
+    if q_nope is None or not FUSED_ABSORB_MIN_ROWS <= q_nope.shape[0] <= FUSED_ABSORB_MAX_ROWS:
+        return dict(absorb=(None, None, None, 0, 0, 0, 0, 0, 0, 0, 0), ABSORB=False, NOPE=1, BLOCK_T=16,
+                    BLOCK_NOPE=16, BLOCK_C=16, COMPUTE=tl.float32, PRECISION="ieee")
+    assert w_uk is not None and q_latent is not None
+    rows, heads, nope = q_nope.shape
+    rank = w_uk.shape[2]
+    # 16 rows fill the MMA's smallest M; 64 keep the W_UK re-reads of larger batches few.
+    block_t = 16 if rows <= 16 else 64
+    programs = triton.cdiv(rows, block_t) * heads * triton.cdiv(rank, ABSORB_BLOCK_C)
+    # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
+    compute = _COMPUTE[q_nope.dtype] if q_nope.is_cuda else tl.float32
+    return dict(
+        absorb=(q_nope, w_uk, q_latent, programs, rows, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0),
+                w_uk.stride(1), q_latent.stride(0), q_latent.stride(1)),
+        ABSORB=True, NOPE=nope, BLOCK_T=block_t, BLOCK_NOPE=max(16, triton.next_power_of_2(nope)),
+        BLOCK_C=ABSORB_BLOCK_C, COMPUTE=compute, PRECISION="ieee" if compute == tl.float32 else "tf32",
+    )
+
+
 def mla_rope_norm_store(
     positions: torch.Tensor,
     q_rope: torch.Tensor,
@@ -181,21 +282,33 @@ def mla_rope_norm_store(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: float = 1.0,
+    *,
+    q_nope: torch.Tensor | None = None,
+    w_uk: torch.Tensor | None = None,
+    q_latent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalise the latent, rotate k_rope and q_rope (in place), store both in the paged cache."""
+    """Normalise the latent, rotate k_rope and q_rope (in place), store both in the paged cache;
+    with q_nope, w_uk and q_latent also absorb W_UK into the first rows' queries (see the reference)."""
     rank = norm_weight.shape[0]
     _check(positions, q_rope, kv, rank, kv_cache, slot_mapping, inv_freq)
     tokens, rope = kv.shape[0], kv.shape[1] - rank
+    if q_nope is not None:
+        _check_absorb(q_nope, w_uk, q_latent, tokens)
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     latent = torch.empty(tokens, rank, dtype=kv.dtype, device=kv.device)
     k_rope = torch.empty(tokens, rope, dtype=kv.dtype, device=kv.device)
+    absorb = _absorb_launch(q_nope, w_uk, q_latent)
+    args = absorb.pop("absorb")
     if tokens:
-        _mla_prep_kernel[(tokens, 2)](
+        _mla_prep_kernel[(args[3] + 2 * tokens,)](
             positions, q_rope, kv, norm_weight.contiguous(), inv_freq.float().contiguous(), flat,
             slot_mapping, latent, k_rope, q_rope.stride(0), q_rope.stride(1), kv.stride(0), flat.stride(0),
-            float(eps), float(magnitude), float(kv_scale),
+            float(eps), float(magnitude), float(kv_scale), *(a if a is not None else kv for a in args),
             HEADS=q_rope.shape[1], RANK=rank, ROPE=rope, BLOCK_RANK=triton.next_power_of_2(rank),
             BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=bool(interleaved),
-            CACHE_FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl_launch(kv),
+            CACHE_FP8=kv_cache.dtype == torch.float8_e4m3fn, **absorb, num_warps=4, **pdl_launch(kv),
         )
+    if q_nope is not None and q_nope.shape[0] and not absorb["ABSORB"]:
+        assert w_uk is not None and q_latent is not None
+        _absorb_apart(q_nope, w_uk, q_latent)
     return latent, k_rope

@@ -40,21 +40,15 @@ def _group_keep(choice, cols, NUM_EXPERTS: tl.constexpr, N_GROUP: tl.constexpr, 
     return keep
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _routing_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt, routed_scaling_factor,
+@triton.jit
+def select_rows(
+    logits, valid, cols, bias_ptr, routed_scaling_factor,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2_SUM: tl.constexpr, MASK_FILL: tl.constexpr,
     NORMALISE: tl.constexpr, SCALE: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-    E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, PDL: tl.constexpr,
+    K_PAD: tl.constexpr, G_PAD: tl.constexpr,
 ):
-    """Top-k experts and their weights for BLOCK_T tokens, following the reference's rules."""
-    wait_for_prior_grid(PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    valid = (rows[:, None] < num_tokens) & (cols[None, :] < NUM_EXPERTS)
-    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :], mask=valid,
-                     other=float("-inf")).to(tl.float32)
+    """(weights fp32, ids int32) [BLOCK_T, K_PAD] for a block of rows' fp32 logits [BLOCK_T, E_PAD]."""
     if SIGMOID:
         scores = tl.where(valid, tl.sigmoid(logits), 0.0)
     else:
@@ -85,6 +79,14 @@ def _routing_kernel(
         shared = (kcols >= TOP_K)[None, :]
         top_w = tl.where(shared, 1.0, top_w)
         top_i = tl.where(shared, (NUM_EXPERTS - TOP_K + kcols)[None, :], top_i)
+    return top_w, top_i
+
+
+@triton.jit
+def store_selection(weights_ptr, ids_ptr, rows, num_tokens, top_w, top_i, TOP_K: tl.constexpr,
+                    NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr):
+    """Write a block of rows' selection into weights / ids [T, TOP_K + NUM_SHARED]."""
+    kcols = tl.arange(0, K_PAD)
     width: tl.constexpr = TOP_K + NUM_SHARED
     out = rows[:, None] * width + kcols[None, :]
     mask = (rows[:, None] < num_tokens) & (kcols[None, :] < width)
@@ -92,12 +94,31 @@ def _routing_kernel(
     tl.store(ids_ptr + out, top_i, mask=mask)
 
 
-def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_func: str, n_group: int,
-           topk_group: int, correction_bias: torch.Tensor | None) -> None:
-    """Clear errors for arguments the kernel cannot honour (shape-only checks, capture-safe)."""
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
-    experts = router_logits.shape[1]
+@triton.jit(do_not_specialize=["num_tokens"])
+def _routing_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt, routed_scaling_factor,
+    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2_SUM: tl.constexpr, MASK_FILL: tl.constexpr,
+    NORMALISE: tl.constexpr, SCALE: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """Top-k experts and their weights for BLOCK_T tokens, following the reference's rules."""
+    wait_for_prior_grid(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    valid = (rows[:, None] < num_tokens) & (cols[None, :] < NUM_EXPERTS)
+    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :], mask=valid,
+                     other=float("-inf")).to(tl.float32)
+    top_w, top_i = select_rows(
+        logits, valid, cols, bias_ptr, routed_scaling_factor, NUM_EXPERTS, TOP_K, SIGMOID, HAS_BIAS, N_GROUP,
+        TOPK_GROUP, TOP2_SUM, MASK_FILL, NORMALISE, SCALE, NUM_SHARED, BLOCK_T, K_PAD, G_PAD,
+    )
+    store_selection(weights_ptr, ids_ptr, rows, num_tokens, top_w, top_i, TOP_K, NUM_SHARED, K_PAD)
+
+
+def check_routing(experts: int, top_k: int, topk_method: str, scoring_func: str, n_group: int, topk_group: int,
+                  correction_bias: torch.Tensor | None, num_shared: int) -> None:
+    """Clear errors for routing rules the kernels cannot honour (shape-only checks, capture-safe)."""
     if topk_method not in _METHODS or scoring_func not in _SCORING:
         raise ValueError(f"unknown routing: topk_method={topk_method!r}, scoring_func={scoring_func!r}")
     if not 0 < top_k <= experts:
@@ -109,6 +130,26 @@ def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_fu
             raise ValueError(f"top_k={top_k} exceeds the {topk_group} kept groups' experts")
     if correction_bias is not None and correction_bias.shape != (experts,):
         raise ValueError(f"correction_bias must be [{experts}], got {tuple(correction_bias.shape)}")
+    if num_shared < 0:
+        raise ValueError(f"num_shared must be >= 0, got {num_shared}")
+
+
+def selection_constants(
+    experts: int, top_k: int, topk_method: str, scoring_func: str, n_group: int, topk_group: int,
+    norm_topk_prob: bool, has_bias: bool, scale_after_norm: bool, num_shared: int,
+) -> dict:
+    """The compile-time arguments of `select_rows` for one model's routing rules."""
+    grouped = topk_method != "greedy" and n_group > 1
+    normalise = norm_topk_prob and top_k > 1
+    return dict(
+        NUM_EXPERTS=experts, TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias,
+        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
+        TOP2_SUM=topk_method == "noaux_tc" and experts // max(n_group, 1) >= 2,
+        # V2 masks with 0 (softmax scores are positive); a biased sigmoid score may be negative.
+        MASK_FILL=float("-inf") if topk_method == "noaux_tc" else 0.0,
+        NORMALISE=normalise, SCALE=scale_after_norm or not normalise, NUM_SHARED=num_shared,
+        K_PAD=triton.next_power_of_2(top_k + num_shared), G_PAD=triton.next_power_of_2(max(n_group, 1)),
+    )
 
 
 def select_experts(
@@ -125,29 +166,22 @@ def select_experts(
     num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick `top_k` experts per token and their weights -> (weights fp32 [T, k + S], ids int32 [T, k + S])."""
-    _check(router_logits, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias)
-    if num_shared < 0:
-        raise ValueError(f"num_shared must be >= 0, got {num_shared}")
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     tokens, experts = router_logits.shape
+    check_routing(experts, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias, num_shared)
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
     if tokens == 0:
         return weights, ids
-    grouped = topk_method != "greedy" and n_group > 1
-    normalise = norm_topk_prob and top_k > 1
     e_pad = triton.next_power_of_2(experts)
     block_t = 1 if tokens <= 512 else max(1, min(8, 2048 // e_pad))
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
     _routing_kernel[(triton.cdiv(tokens, block_t),)](
         logits, bias, weights, ids, tokens, logits.stride(0), float(routed_scaling_factor),
-        NUM_EXPERTS=experts, TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
-        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-        TOP2_SUM=topk_method == "noaux_tc" and experts // max(n_group, 1) >= 2,
-        # V2 masks with 0 (softmax scores are positive); a biased sigmoid score may be negative.
-        MASK_FILL=float("-inf") if topk_method == "noaux_tc" else 0.0,
-        NORMALISE=normalise, SCALE=scale_after_norm or not normalise, NUM_SHARED=num_shared, BLOCK_T=block_t,
-        E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k + num_shared), G_PAD=triton.next_power_of_2(max(n_group, 1)),
-        num_warps=max(1, min(4, block_t * e_pad // 256)), **pdl_launch(logits),
+        **selection_constants(experts, top_k, topk_method, scoring_func, n_group, topk_group, norm_topk_prob,
+                              correction_bias is not None, scale_after_norm, num_shared),
+        BLOCK_T=block_t, E_PAD=e_pad, num_warps=max(1, min(4, block_t * e_pad // 256)), **pdl_launch(logits),
     )
     return weights, ids

@@ -1,0 +1,149 @@
+"""A MoE layer's entry at decode sizes in one launch: residual add + RMSNorm, router, expert selection.
+
+At a few tokens each of these is a few-microsecond kernel whose time is mostly the gap behind
+the one before it. Here program (expert block, token) loads its slice of the router weight before
+waiting on the previous kernel (pdl.py), then adds and normalises its token's row itself (every
+program of a token computes the same row; the first one stores it), and writes its experts'
+float32 logits. The last program to finish, found by an atomic counter, reads all the logits back
+and selects every token's experts with the same code as `select_experts`.
+
+The counter lives in device memory per GPU and the last program resets it, so calls must not
+overlap on one device (one compute stream, as the engine runs). Past MAX_TOKENS, for other
+dtypes, or for rows too wide for registers, the call falls back to the three separate kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.triton.gemv import linear
+from moeserve.ops.triton.norm import MAX_WIDTH, fused_add_rms_norm, normalize_row
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+from moeserve.ops.triton.routing import (
+    check_routing,
+    select_experts,
+    select_rows,
+    selection_constants,
+    store_selection,
+)
+
+MAX_TOKENS = 8
+BLOCK_E = 2  # experts a program scores: many small programs keep the most weight loads in flight
+MAX_HIDDEN = 8192  # a program holds BLOCK_E router rows and a token's row in registers
+
+
+@functools.lru_cache(maxsize=16)
+def _counter(device: torch.device) -> torch.Tensor:
+    """This device's arrival counter (zero between calls: the last program resets it)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _norm_route_kernel(
+    x_ptr, res_ptr, norm_w_ptr, router_ptr, bias_ptr, normed_ptr, summed_ptr, logits_ptr, topk_w_ptr, topk_ids_ptr,
+    counter_ptr, num_tokens, stride_x, stride_res, eps, routed_scaling_factor,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr, T_PAD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2_SUM: tl.constexpr, MASK_FILL: tl.constexpr,
+    NORMALISE: tl.constexpr, SCALE: tl.constexpr, NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
+    G_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (expert block, token m): norm row m, score BLOCK_E experts; the last one selects."""
+    pid_e = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    cols = tl.arange(0, BLOCK_H)
+    h_ok = cols < HIDDEN
+    w = tl.load(router_ptr + experts[:, None] * HIDDEN + cols[None, :],
+                mask=(experts < NUM_EXPERTS)[:, None] & h_ok[None, :], other=0.0)
+    norm_w = tl.load(norm_w_ptr + cols, mask=h_ok, other=0.0).to(tl.float32)
+    wait_for_prior_grid(PDL)
+    x = tl.load(x_ptr + m * stride_x + cols, mask=h_ok, other=0.0)
+    res = tl.load(res_ptr + m * stride_res + cols, mask=h_ok, other=0.0)
+    # Rounded as the reference rounds: the sum to x's dtype, then the normalised row.
+    summed = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+    normed = normalize_row(summed.to(tl.float32), norm_w, HIDDEN, eps, x.dtype)
+    if pid_e == 0:
+        tl.store(summed_ptr + m * HIDDEN + cols, summed, mask=h_ok)
+        tl.store(normed_ptr + m * HIDDEN + cols, normed, mask=h_ok)
+    logits = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
+    tl.store(logits_ptr + m * E_PAD + experts, logits, mask=experts < NUM_EXPERTS)
+    # Every thread's logits are stored before the one atomic (a release at GPU scope) says so.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        rows = tl.arange(0, T_PAD)
+        ecols = tl.arange(0, E_PAD)
+        valid = (rows[:, None] < num_tokens) & (ecols[None, :] < NUM_EXPERTS)
+        # Other programs' stores: read from L2 (".cg"), never from this SM's incoherent L1.
+        all_logits = tl.load(logits_ptr + rows[:, None] * E_PAD + ecols[None, :], mask=valid, other=float("-inf"),
+                             cache_modifier=".cg")
+        all_logits = tl.where((rows < num_tokens)[:, None], all_logits, 0.0)  # no NaN in padding rows
+        top_w, top_i = select_rows(
+            all_logits, valid, ecols, bias_ptr, routed_scaling_factor, NUM_EXPERTS, TOP_K, SIGMOID, HAS_BIAS,
+            N_GROUP, TOPK_GROUP, TOP2_SUM, MASK_FILL, NORMALISE, SCALE, NUM_SHARED, T_PAD, K_PAD, G_PAD,
+        )
+        store_selection(topk_w_ptr, topk_ids_ptr, rows, num_tokens, top_w, top_i, TOP_K, NUM_SHARED, K_PAD)
+
+
+def fits(x: torch.Tensor, residual: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """Whether the one-launch kernel takes this call (otherwise: the three separate kernels)."""
+    half = (torch.bfloat16, torch.float16)
+    return (
+        x.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] <= MAX_HIDDEN
+        and x.dtype in half and router_weight.dtype == x.dtype and residual.shape == x.shape
+        and residual.dtype == x.dtype and x.stride(1) == 1 and residual.stride(1) == 1 and router_weight.is_contiguous()
+    )
+
+
+def add_norm_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    *,
+    top_k: int,
+    topk_method: str,
+    scoring_func: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None,
+    scale_after_norm: bool,
+    num_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed, summed, weights fp32 [T, k + S], ids int32 [T, k + S]); see the reference."""
+    routing = dict(top_k=top_k, topk_method=topk_method, scoring_func=scoring_func, n_group=n_group,
+                   topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+                   correction_bias=correction_bias, scale_after_norm=scale_after_norm, num_shared=num_shared)
+    experts, hidden = router_weight.shape
+    if x.shape[-1] != hidden or norm_weight.shape != (hidden,) or x.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"add_norm_route: x {tuple(x.shape)}, norm {tuple(norm_weight.shape)} and router "
+                         f"{tuple(router_weight.shape)} disagree")
+    if not fits(x, residual, router_weight):
+        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+        return normed, summed, *select_experts(linear(normed, router_weight, out_dtype=torch.float32), **routing)
+    check_routing(experts, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias, num_shared)
+    tokens = x.shape[0]
+    e_pad = triton.next_power_of_2(experts)
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    logits = torch.empty(tokens, e_pad, dtype=torch.float32, device=x.device)
+    weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
+    bias = correction_bias.float().contiguous() if correction_bias is not None else weights
+    _norm_route_kernel[(triton.cdiv(experts, BLOCK_E), tokens)](
+        x, residual, norm_weight.contiguous(), router_weight, bias, normed, summed, logits, weights, ids,
+        _counter(x.device), tokens, x.stride(0), residual.stride(0), float(eps), float(routed_scaling_factor),
+        HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_E=BLOCK_E, E_PAD=e_pad, T_PAD=MAX_TOKENS,
+        **selection_constants(experts, top_k, topk_method, scoring_func, n_group, topk_group, norm_topk_prob,
+                              correction_bias is not None, scale_after_norm, num_shared),
+        num_warps=4, **pdl_launch(x),
+    )
+    return normed, summed, weights, ids
