@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeserve import SamplingParams  # noqa: E402
-from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.bench.common import random_prompts, record, write_results  # noqa: E402
 from moeserve.config.engine_config import EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 from moeserve.executor.cuda_graph import CudaGraphRunner  # noqa: E402
@@ -107,7 +106,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--samples", type=int, default=5)
-    ap.add_argument("--output", default=None)
+    ap.add_argument("--output", default=None, help="JSON list file the records are appended to")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variant]
     defaults = {(m, c): getattr(m, c) for _, settings in variants for m, c, _ in settings}
@@ -122,7 +121,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}", flush=True)
     steps_per_round = len(variants) * 8
     params = SamplingParams(max_tokens=a.rounds * steps_per_round + 16, temperature=0.0, ignore_eos=True)
-    results: dict = {}
+    records: list[dict] = []
     for bs in sizes:
         ids = [f"ab{bs}-{i}" for i in range(bs)]
         for rid, prompt in zip(ids, random_prompts(bs, a.input_len, core.model_config.vocab_size, 7 * bs), strict=True):
@@ -142,14 +141,17 @@ def main() -> None:
         while core.has_unfinished_requests():
             core.step()
         base = statistics.median(replay[variants[0][0]])
-        for name, _ in variants:
+        for (name, _), spec in zip(variants, a.variant, strict=True):
             r, w = statistics.median(replay[name]), statistics.median(wall[name])
-            results.setdefault(str(bs), {})[name] = {"replay_ms": r, "step_wall_ms": w, "replays": replay[name]}
+            records.append(record(
+                f"ab_decode_b{bs}_{name}", "cuda", workload={"batch_size": bs, "input_len": a.input_len},
+                variant=spec, replay_ms=round(r, 4), step_wall_ms=round(w, 4), vs_first=round(r / base - 1, 4),
+                replay_rounds_ms=[round(x, 4) for x in replay[name]],
+            ))  # fmt: skip
             print(f"b{bs:<4d} {name:<16s} replay {r:7.3f} ms ({(r / base - 1) * 100:+5.1f}%)  step wall {w:7.3f} ms"
                   f"  rounds {[round(x, 3) for x in replay[name]]}", flush=True)
     apply([], defaults)
-    if a.output:
-        Path(a.output).write_text(json.dumps(results, indent=1))
+    write_results(a.output, records)
 
 
 if __name__ == "__main__":

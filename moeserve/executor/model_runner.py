@@ -97,7 +97,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_prefix_attention(self, max_model_len: int) -> None:
-        """Compile the kernels of prefill over a cached prefix before serving (GPU only).
+        """Compile the kernels of prefill over a cached prefix, and of eager decode-size steps,
+        before serving (GPU only).
 
         A first prefix-cache hit or second prefill chunk would otherwise compile them inside a
         request, a 0.3-2 s stall. Covered: the absorbed form with its keys split (a short tail
@@ -106,7 +107,9 @@ class ModelRunner:
         assert self.kv_cache is not None
         prefix = min(1024, max_model_len // 2)
         wide = max(1, min(4096, self.engine.max_num_batched_tokens, max_model_len - prefix))
-        for new, use_mha in ((1, False), (wide, False), (min(64, wide), True)):
+        # 16 new tokens also compile the decode-size dense projections (the skinny GEMM serves 3-16
+        # rows with one variant), which decode graphs of up to 8 rows may not have needed.
+        for new, use_mha in ((1, False), (min(16, wide), False), (wide, False), (min(64, wide), True)):
             self._forward_scratch(prefix, new, use_mha)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -131,9 +131,13 @@ def _skinny_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_k = min(SKINNY_BLOCK_K, max(16, triton.next_power_of_2(x.shape[1])))
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     config = SkinnyConfig(SKINNY_BLOCK_N, block_k, 1, SKINNY_WARPS, SKINNY_STAGES)
-    skinny_bmm(x[None], weight[None], out[None], config=config)
+    # Batch stride 0 (there is one batch): x[None]'s would be rows x K, and Triton specialises
+    # integers by divisibility, so a new row count could compile a new variant mid-serving.
+    x1 = x.as_strided((1, m, x.shape[1]), (0, x.stride(0), x.stride(1)))
+    skinny_bmm(x1, weight[None], out.as_strided((1, m, n), (0, n, 1)), config=config)
     return out
 
 
