@@ -23,13 +23,7 @@ import triton.language as tl
 from moeserve.ops.triton.gemv import linear
 from moeserve.ops.triton.norm import MAX_WIDTH, fused_add_rms_norm, normalize_row
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
-from moeserve.ops.triton.routing import (
-    check_routing,
-    select_experts,
-    select_rows,
-    selection_constants,
-    store_selection,
-)
+from moeserve.ops.triton.routing import select_experts, select_rows, selection_constants, store_selection
 
 MAX_TOKENS = 8
 BLOCK_E = 2  # experts a program scores: many small programs keep the most weight loads in flight
@@ -102,27 +96,10 @@ def fits(x: torch.Tensor, residual: torch.Tensor, router_weight: torch.Tensor) -
 
 
 def add_norm_route(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    *,
-    top_k: int,
-    topk_method: str,
-    scoring_func: str,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-    correction_bias: torch.Tensor | None,
-    scale_after_norm: bool,
-    num_shared: int = 0,
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
+    **routing,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(normed, summed, weights fp32 [T, k + S], ids int32 [T, k + S]); see the reference."""
-    routing = dict(top_k=top_k, topk_method=topk_method, scoring_func=scoring_func, n_group=n_group,
-                   topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-                   correction_bias=correction_bias, scale_after_norm=scale_after_norm, num_shared=num_shared)
+    """(normed, summed, weights fp32 [T, k + S], ids int32 [T, k + S]); `routing`: select_experts' keywords."""
     experts, hidden = router_weight.shape
     if x.shape[-1] != hidden or norm_weight.shape != (hidden,) or x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"add_norm_route: x {tuple(x.shape)}, norm {tuple(norm_weight.shape)} and router "
@@ -130,20 +107,20 @@ def add_norm_route(
     if not fits(x, residual, router_weight):
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
         return normed, summed, *select_experts(linear(normed, router_weight, out_dtype=torch.float32), **routing)
-    check_routing(experts, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias, num_shared)
+    constants = selection_constants(experts, **routing)
+    width = routing["top_k"] + routing.get("num_shared", 0)
+    correction_bias = routing["correction_bias"]
     tokens = x.shape[0]
     e_pad = triton.next_power_of_2(experts)
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty(tokens, e_pad, dtype=torch.float32, device=x.device)
-    weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=x.device)
-    ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
+    weights = torch.empty(tokens, width, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, width, dtype=torch.int32, device=x.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
     _norm_route_kernel[(triton.cdiv(experts, BLOCK_E), tokens)](
         x, residual, norm_weight.contiguous(), router_weight, bias, normed, summed, logits, weights, ids,
-        _counter(x.device), tokens, x.stride(0), residual.stride(0), float(eps), float(routed_scaling_factor),
-        HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_E=BLOCK_E, E_PAD=e_pad, T_PAD=MAX_TOKENS,
-        **selection_constants(experts, top_k, topk_method, scoring_func, n_group, topk_group, norm_topk_prob,
-                              correction_bias is not None, scale_after_norm, num_shared),
-        num_warps=4, **pdl_launch(x),
+        _counter(x.device), tokens, x.stride(0), residual.stride(0), float(eps),
+        float(routing["routed_scaling_factor"]), HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden),
+        BLOCK_E=BLOCK_E, E_PAD=e_pad, T_PAD=MAX_TOKENS, **constants, num_warps=4, **pdl_launch(x),
     )
     return normed, summed, weights, ids

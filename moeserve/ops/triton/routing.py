@@ -135,14 +135,16 @@ def check_routing(experts: int, top_k: int, topk_method: str, scoring_func: str,
 
 
 def selection_constants(
-    experts: int, top_k: int, topk_method: str, scoring_func: str, n_group: int, topk_group: int,
-    norm_topk_prob: bool, has_bias: bool, scale_after_norm: bool, num_shared: int,
+    experts: int, *, top_k: int, topk_method: str, scoring_func: str, n_group: int, topk_group: int,
+    norm_topk_prob: bool, routed_scaling_factor: float, correction_bias: torch.Tensor | None,
+    scale_after_norm: bool, num_shared: int = 0,
 ) -> dict:
-    """The compile-time arguments of `select_rows` for one model's routing rules."""
+    """Check one model's routing rules (select_experts' keywords) -> the compile-time arguments of `select_rows`."""
+    check_routing(experts, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias, num_shared)
     grouped = topk_method != "greedy" and n_group > 1
     normalise = norm_topk_prob and top_k > 1
     return dict(
-        NUM_EXPERTS=experts, TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias,
+        NUM_EXPERTS=experts, TOP_K=top_k, SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
         N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
         TOP2_SUM=topk_method == "noaux_tc" and experts // max(n_group, 1) >= 2,
         # V2 masks with 0 (softmax scores are positive); a biased sigmoid score may be negative.
@@ -169,7 +171,11 @@ def select_experts(
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     tokens, experts = router_logits.shape
-    check_routing(experts, top_k, topk_method, scoring_func, n_group, topk_group, correction_bias, num_shared)
+    constants = selection_constants(
+        experts, top_k=top_k, topk_method=topk_method, scoring_func=scoring_func, n_group=n_group,
+        topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+        correction_bias=correction_bias, scale_after_norm=scale_after_norm, num_shared=num_shared,
+    )
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
@@ -180,8 +186,6 @@ def select_experts(
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
     _routing_kernel[(triton.cdiv(tokens, block_t),)](
         logits, bias, weights, ids, tokens, logits.stride(0), float(routed_scaling_factor),
-        **selection_constants(experts, top_k, topk_method, scoring_func, n_group, topk_group, norm_topk_prob,
-                              correction_bias is not None, scale_after_norm, num_shared),
-        BLOCK_T=block_t, E_PAD=e_pad, num_warps=max(1, min(4, block_t * e_pad // 256)), **pdl_launch(logits),
+        **constants, BLOCK_T=block_t, E_PAD=e_pad, num_warps=max(1, min(4, block_t * e_pad // 256)), **pdl_launch(logits),
     )
     return weights, ids
