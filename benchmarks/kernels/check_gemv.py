@@ -84,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--skinny", action="store_true", help="also the skinny GEMM with whole-K tiles")
+    ap.add_argument("--skinny", action="store_true", help="also the skinny GEMM over a sweep of tiles")
     a = ap.parse_args()
     for name, (n, k) in SHAPES.items():
         measure(name, n, k, [int(r) for r in a.rows.split(",")], a.sweep, a.skinny)

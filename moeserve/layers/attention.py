@@ -164,17 +164,8 @@ def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, layer.weight, layer.bias)
 
 
-# Up to this many tokens the per-head matmuls run in the skinny Triton GEMM (measured faster).
-SKINNY_MAX_TOKENS = 16
-
-
 def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H, a] @ [H, a, b] -> [T, H, b]: one batched GEMM over heads, written token-major into `out`."""
     if out is None:
         out = x.new_empty(x.shape[0], w.shape[0], w.shape[2])
-    # A transposed view of a token-major buffer is a valid strided batched-GEMM output: no copy.
-    if x.is_cuda and x.shape[0] <= SKINNY_MAX_TOKENS:
-        ops.skinny_bmm(x.transpose(0, 1), w.transpose(1, 2), out.transpose(0, 1))
-    else:
-        torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
-    return out
+    return ops.per_head_matmul(x, w, out)

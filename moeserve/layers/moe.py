@@ -65,7 +65,8 @@ class Router(nn.Module):
         """-> (weights fp32 [T, k + S], expert ids [T, k + S]); the S shared experts come last.
 
         Given `residual` and `norm`, x is not yet normalised: the residual add + norm run with the
-        routing (one kernel on the GPU) -> (weights, ids, norm(x + residual), x + residual).
+        routing (one kernel on the GPU) -> (weights, ids, norm(x + residual), x + residual). One
+        entry point for both, so forward hooks (bench.roofline's expert count) see every routing.
         """
         if norm is None:
             return ops.select_experts(router_logits(x, self.weight), **self.rules(num_shared))

@@ -55,6 +55,7 @@ fused_add_rms_norm = _dispatch("fused_add_rms_norm", _ref_norm.fused_add_rms_nor
 mla_rope_norm_store = _dispatch("mla_rope_norm_store", _ref_rope.mla_rope_norm_store, "rope_store")
 silu_and_mul = _dispatch("silu_and_mul", _ref_activation.silu_and_mul, "activation")
 skinny_bmm = _dispatch("skinny_bmm", _ref_linear.skinny_bmm, "skinny_gemm")
+per_head_matmul = _dispatch("per_head_matmul", _ref_linear.per_head_matmul, "skinny_gemm")
 linear = _dispatch("linear", _ref_linear.linear, "gemv")
 unpack_decode_inputs = _dispatch(
     "unpack_decode_inputs", _ref_decode_inputs.unpack_decode_inputs, "decode_inputs"
@@ -66,6 +67,7 @@ __all__ = [
     "fused_moe",
     "gather_kv",
     "linear",
+    "per_head_matmul",
     "mla_decode",
     "mla_extend_absorbed",
     "mla_rope_norm_store",

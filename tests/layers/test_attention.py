@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.layers.attention import SKINNY_MAX_TOKENS, per_head_matmul
+from moeserve.layers.attention import per_head_matmul
+from moeserve.ops.triton.skinny_gemm import PER_HEAD_MAX_ROWS as SKINNY_MAX_TOKENS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: the skinny kernel up to 16 tokens
 

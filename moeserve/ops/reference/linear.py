@@ -15,6 +15,13 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
     return out
 
 
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[t, h] = x[t, h] @ w[h] for x [T, H, a], w [H, a, b]: one batched GEMM over heads, written
+    token-major into `out` [T, H, b] (a transposed view of it is a valid strided output: no copy)."""
+    torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+    return out
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:

@@ -6,8 +6,8 @@ of their loads *before* `wait_for_prior_grid`: weights are never written by a ke
 programmatic dependent launch the weight stream overlaps the tail of the kernel before (cuBLAS
 cannot, which is where its GEMVs lose: 6 us for a 15 MB fused_qkv_a on H200 against a 3.5 us
 stream). Then it reads x and reduces each row in float32. Rows of K beyond `MAX_K` do not fit in
-registers; `linear` hands those, and calls with too many rows, to the skinny GEMM (a few more
-rows: each program's whole K slice of weight rows loaded before the wait, then one MMA) or cuBLAS.
+registers; `linear` hands those, and calls with too many rows, to the skinny GEMM (up to
+SKINNY_MAX_ROWS rows) or cuBLAS.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def gemv(
 
 
 def _skinny_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> bool:
-    """Whether a projection too wide for the GEMV goes to the skinny GEMM's whole-K tiles."""
+    """Whether a projection the GEMV does not take goes to the skinny GEMM (else cuBLAS)."""
     return (
         x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and bias is None and out_dtype in (None, x.dtype)
         and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2
@@ -130,6 +130,7 @@ def _skinny_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T through the skinny GEMM with the module's tile."""
     block_k = min(SKINNY_BLOCK_K, max(16, triton.next_power_of_2(x.shape[1])))
     m, n = x.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -23,7 +23,7 @@ import triton.language as tl
 from moeserve.ops.reference.attention import FP8_MAX
 from moeserve.ops.triton.norm import normalize_row
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
-from moeserve.ops.triton.skinny_gemm import skinny_bmm
+from moeserve.ops.triton.skinny_gemm import per_head_matmul
 
 # Cody-Waite split of 2*pi: A and B have 8 significant bits, so turns * A and turns * B are exact
 # for turns < 2^16 (angles up to ~400k radians, beyond any position times DeepSeek's largest
@@ -39,7 +39,6 @@ _HEAD_BLOCK = tl.constexpr(16)  # q_rope heads rotated per step: bounds register
 FUSED_ABSORB_MIN_ROWS = 2
 FUSED_ABSORB_MAX_ROWS = 256
 ABSORB_BLOCK_C = 64  # latent columns per absorbing program
-SKINNY_MAX_ROWS = 16  # without the fusion: the skinny Triton GEMM up to here, then cuBLAS
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -240,15 +239,6 @@ def _check_absorb(q_nope: torch.Tensor, w_uk: torch.Tensor | None, q_latent: tor
         raise ValueError("mla_rope_norm_store: q_nope, w_uk and q_latent need contiguous rows")
 
 
-def _absorb_apart(q_nope: torch.Tensor, w_uk: torch.Tensor, q_latent: torch.Tensor) -> None:
-    """The per-head product as its own GEMM (rows past FUSED_ABSORB_MAX_ROWS), as the model ran it
-    before: the skinny GEMM up to 16 rows, cuBLAS past that."""
-    if q_nope.shape[0] <= SKINNY_MAX_ROWS:
-        skinny_bmm(q_nope.transpose(0, 1), w_uk.transpose(1, 2), q_latent.transpose(0, 1))
-    else:
-        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_latent.transpose(0, 1))
-
-
 def _absorb_launch(q_nope: torch.Tensor | None, w_uk: torch.Tensor | None, q_latent: torch.Tensor | None) -> dict:
     """The kernel's W_UK arguments: the absorbing programs' operands, or placeholders when there are none."""
     if q_nope is None or not FUSED_ABSORB_MIN_ROWS <= q_nope.shape[0] <= FUSED_ABSORB_MAX_ROWS:
@@ -310,5 +300,5 @@ def mla_rope_norm_store(
         )
     if q_nope is not None and q_nope.shape[0] and not absorb["ABSORB"]:
         assert w_uk is not None and q_latent is not None
-        _absorb_apart(q_nope, w_uk, q_latent)
+        per_head_matmul(q_nope, w_uk, q_latent)  # rows outside the fused range: a GEMM of its own
     return latent, k_rope
