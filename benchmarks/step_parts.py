@@ -1,11 +1,12 @@
 """Is a step host- or GPU-bound? Each step's host parts and the GPU span of what it launched.
 
-    python benchmarks/step_parts.py MODEL_DIR
+    python benchmarks/step_parts.py MODEL_DIR [LOAD_FORMAT]
 
 A fresh engine (the suite's settings) runs a warm-up b256 batch (ISL 1024, 4 tokens), then the
 b256 latency batch; for its first 46 steps it prints the step's wall time split into schedule /
 launch / collect / update, and the span between CUDA events recorded around the step's launch.
-Walls that add up to more than the spans mean the GPU waited on the host.
+Walls that add up to more than the spans mean the GPU waited on the host; "start to start" is the
+GPU time from this step's first launched work to the next step's (its span plus any idle after).
 """
 import sys
 import time
@@ -20,7 +21,7 @@ import gpu_suite  # noqa: E402 - beside this script
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402
 
-core = gpu_suite.engine(sys.argv[1])
+core = gpu_suite.engine(sys.argv[1], **({"load_format": sys.argv[2]} if len(sys.argv) > 2 else {}))
 parts = {}
 
 
@@ -77,8 +78,11 @@ def run(bs, out_len, seed, tag):
     for step, wall, p, n0 in rows:
         g = gpu[n0] if n0 < len(gpu) else None
         gms = g[0].elapsed_time(g[1]) if g else 0
-        print(f"{tag} step {step:3d} wall {wall:6.1f} | " + " ".join(f"{k} {v:5.1f}" for k, v in p.items())
-              + f" | launched {g[2] if g else 0} tok {g[3] if g else 0} rows, its GPU {gms:6.1f} ms", flush=True)
+        nxt = gpu[n0 + 1] if n0 + 1 < len(gpu) else None
+        to_next = g[0].elapsed_time(nxt[0]) if g and nxt else 0
+        print(f"{tag} step {step:3d} wall {wall:6.2f} | " + " ".join(f"{k} {v:5.2f}" for k, v in p.items())
+              + f" | launched {g[2] if g else 0} tok {g[3] if g else 0} rows, its GPU {gms:6.2f} ms,"
+              f" start to start {to_next:6.2f}", flush=True)
     while core.has_unfinished_requests():
         core.step()
 

@@ -1,12 +1,13 @@
-"""Triton skinny GEMM: out[b] = x[b] @ w[b]^T when x has only a few rows (decode-size batches).
+"""Triton skinny GEMM: out[b] = x[b] @ w[b]^T when x has few rows (decode-size batches).
 
-With M <= 64 rows the weight is the whole cost. The weight rows fill the MMA's M side (swap-AB)
-in narrow BLOCK_N slices, and a float32 output can also split K across programs, summed with
-atomic adds, so even a 64-row weight (the MoE router) spreads over many SMs. Strides are free, so
-one kernel serves nn.Linear weights (B = 1) and the per-head absorbed MLA matmuls. Measured on
-H200 it beats cuBLAS on the router (3.4 vs 5.2 us) and the per-head matmuls at <= 16 rows (2.9
-vs 3.2, 3.3 vs 3.7 us), not on the wide projections (fused_qkv_a 7.1 vs 6.4 us): the model
-uses it only where it wins.
+With few rows the weight is the whole cost. The weight rows fill the MMA's M side (swap-AB) in
+narrow BLOCK_N slices, and a float32 output can also split K across programs, summed with atomic
+adds, so even a 64-row weight (the MoE router) spreads over many SMs. Rows past BLOCK_M take more
+programs (each re-reads its weight slice, from L2). Strides are free, so one kernel serves
+nn.Linear weights (B = 1) and the per-head absorbed MLA matmuls. Each program loads its first
+weight tile before the PDL wait. Measured on H200 it beats cuBLAS on the router (3.4 vs 5.2 us)
+and the per-head matmuls at <= 16 rows (2.9 vs 3.2, 3.3 vs 3.7 us); callers use it only where
+it wins (thresholds beside them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import triton.language as tl
 from moeserve.ops.triton.mla_decode import sm_count
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
-MAX_ROWS = 64  # past this the activations' re-reads cost more than cuBLAS's idle SMs
 PER_HEAD_MAX_ROWS = 16  # the per-head MLA matmuls: measured faster than cuBLAS's bmm up to here
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -34,10 +34,12 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (n block, batch, k split): acc[BLOCK_N, BLOCK_M] = W tile @ X^T over its K range."""
+    """Program (n block x m block, batch, k split): acc[BLOCK_N, BLOCK_M] = W tile @ X^T over its K range."""
     b = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    # The m blocks of one weight slice are neighbours, so they run together and share it in L2.
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    offs_n = (tl.program_id(0) // m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = (tl.program_id(0) % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
@@ -74,13 +76,15 @@ def _skinny_kernel(
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch shape: BLOCK_N weight rows per program, BLOCK_K per step, K cut into split_k parts."""
+    """Launch shape: BLOCK_N weight rows and up to block_m rows of x per program, BLOCK_K per step,
+    K cut into split_k parts."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int = 64
 
 
 def pick_config(m: int, n: int, k: int, batch: int, out_dtype: torch.dtype, device: torch.device) -> SkinnyConfig:
@@ -91,9 +95,12 @@ def pick_config(m: int, n: int, k: int, batch: int, out_dtype: torch.dtype, devi
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     if out_dtype == torch.float32:
         # A router-like [64, 2048] weight: 4 slices of 16 rows, K cut 8 ways fill 32 SMs.
-        programs = triton.cdiv(n, 16) * batch
+        programs = triton.cdiv(n, 16) * batch * triton.cdiv(m, 64)
         split = max(1, min(8, sm_count(device) // max(programs, 1), k // block_k))
         return SkinnyConfig(block_n=16, block_k=block_k, split_k=split)
+    if m > 16:
+        # More rows: wider weight slices, so x is re-read fewer times.
+        return SkinnyConfig(block_n=64, block_k=block_k, num_stages=3)
     return SkinnyConfig(block_n=64 if n <= 128 else 32, block_k=block_k)
 
 
@@ -103,8 +110,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     (b, m, k), (bw, n, kw) = x.shape, w.shape
     if bw != b or kw != k or tuple(out.shape) != (b, m, n):
         raise ValueError(f"skinny_bmm: x {tuple(x.shape)} @ w {tuple(w.shape)}^T does not fit out {tuple(out.shape)}")
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_bmm: at most {MAX_ROWS} rows, got {m} (use torch.bmm)")
 
 
 def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -119,7 +124,7 @@ def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torc
 def skinny_bmm(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
-    """out[b] = x[b] @ w[b]^T for x [B, M <= 64, K], w [B, N, K] (any strides), float32 accumulation.
+    """out[b] = x[b] @ w[b]^T for x [B, M, K], w [B, N, K] (any strides), float32 accumulation.
 
     `w` must be a weight, not the output of the kernel just before: it is read before the wait.
     """
@@ -137,13 +142,14 @@ def skinny_bmm(
     # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
     compute = _COMPUTE[x.dtype] if x.is_cuda and x.dtype == w.dtype else tl.float32
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    grid = (triton.cdiv(n, config.block_n), batch, triton.cdiv(k, k_per_split))
+    block_m = max(16, min(config.block_m, triton.next_power_of_2(m)))
+    grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, block_m), batch, triton.cdiv(k, k_per_split))
     _skinny_kernel[grid](
         x, w, out, m, n,
         x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         K=k, K_PER_SPLIT=k_per_split, K_STEPS=k_per_split // config.block_k,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % k_per_split == 0, ATOMIC=atomic, COMPUTE=compute,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x),
