@@ -97,10 +97,12 @@ def main() -> None:
     records = []
     for bs in sizes:
         ids = [f"o{bs}-{i}" for i in range(bs)]
-        # Enough tokens for every timed engine step (the variants run 33 each, 10 warm-up before).
+        # Enough tokens for every timed engine step (10 warm-up decodes, then 33 timed).
         params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
         for rid, prompt in zip(ids, random_prompts(bs, a.input_len, core.model_config.vocab_size, 11 * bs), strict=True):
             core.add_request(rid, prompt, params)
+        while any(len(core.requests[r].output_token_ids) == 0 for r in ids):
+            core.step()  # the prefill
         for _ in range(10):
             core.step()
         times = {name: time_us(fn) for name, fn in variants(core, bs).items()}
