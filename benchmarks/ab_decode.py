@@ -96,28 +96,37 @@ def time_steps(core: EngineCore, steps: int) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decode_args(description: str) -> argparse.ArgumentParser:
+    """The flags every decode-step benchmark takes (model, weights, batch sizes, prompt, output)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--batch-sizes", default="1,8,64,256")
     ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output", default=None, help="JSON list file the records are appended to")
+    return ap
+
+
+def decode_engine(model: str, load_format: str, sizes: list[int]) -> EngineCore:
+    """An engine with decode graphs of exactly `sizes` and the suite's 16,384-token prompt steps."""
+    return EngineCore(EngineConfig(
+        model=model, load_format=load_format, max_model_len=4096, max_num_seqs=max(sizes),
+        cuda_graph_bs=",".join(map(str, sizes)), cuda_graph_prefill_tokens="",
+        max_num_batched_tokens=16384, chunked_prefill_size=16384,
+    ))  # fmt: skip
+
+
+def main() -> None:
+    ap = decode_args(__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--samples", type=int, default=5)
-    ap.add_argument("--output", default=None, help="JSON list file the records are appended to")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variant]
     defaults = {(m, c): getattr(m, c) for _, settings in variants for m, c, _ in settings}
     sizes = [int(b) for b in a.batch_sizes.split(",")]
-    core = EngineCore(
-        EngineConfig(
-            model=a.model, load_format=a.load_format, max_model_len=4096, max_num_seqs=max(sizes),
-            cuda_graph_bs=",".join(map(str, sizes)), cuda_graph_prefill_tokens="",
-            max_num_batched_tokens=16384, chunked_prefill_size=16384,
-        )
-    )
+    core = decode_engine(a.model, a.load_format, sizes)
     print(f"device {torch.cuda.get_device_name()}", flush=True)
     steps_per_round = len(variants) * 8
     params = SamplingParams(max_tokens=a.rounds * steps_per_round + 16, temperature=0.0, ignore_eos=True)

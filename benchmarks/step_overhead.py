@@ -13,7 +13,6 @@ difference.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,10 @@ import torch
 # Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from ab_decode import decode_args, decode_engine  # noqa: E402 - beside this script
+
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts, record, write_results  # noqa: E402
-from moeserve.config.engine_config import EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 
 
@@ -81,19 +81,9 @@ def variants(core: EngineCore, bs: int) -> dict[str, Callable[[], None]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--batch-sizes", default="1,8,64,256")
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output", default=None, help="JSON list file the records are appended to")
-    a = ap.parse_args()
+    a = decode_args(__doc__.splitlines()[0]).parse_args()
     sizes = [int(b) for b in a.batch_sizes.split(",")]
-    core = EngineCore(EngineConfig(
-        model=a.model, load_format=a.load_format, max_model_len=4096, max_num_seqs=max(sizes),
-        cuda_graph_bs=",".join(map(str, sizes)), cuda_graph_prefill_tokens="",
-        max_num_batched_tokens=16384, chunked_prefill_size=16384,
-    ))  # fmt: skip
+    core = decode_engine(a.model, a.load_format, sizes)
     records = []
     for bs in sizes:
         ids = [f"o{bs}-{i}" for i in range(bs)]
