@@ -63,19 +63,18 @@ def variants(core: EngineCore, bs: int) -> dict[str, Callable[[], None]]:
     def inputs() -> None:
         graphs.staged[:size].copy_(host[:size], non_blocking=True)
 
-    def run(*ops: Callable[[], None]) -> Callable[[], None]:
+    def run(before: tuple = (), after: tuple = ()) -> Callable[[], None]:
         def call() -> None:
-            if inputs in ops:
-                inputs()
+            for op in before:
+                op()
             graph.replay()
-            for op in ops:
-                if op is not inputs:
-                    op()
+            for op in after:
+                op()
         return call
 
     return {
-        "replay": run(), "replay+future_copy": run(to_future), "replay+host_copy": run(to_host),
-        "replay+input_copy": run(inputs), "replay+all_copies": run(inputs, to_future, to_host),
+        "replay": run(), "replay+future_copy": run(after=(to_future,)), "replay+host_copy": run(after=(to_host,)),
+        "replay+input_copy": run(before=(inputs,)), "replay+all_copies": run((inputs,), (to_future, to_host)),
         "engine_step": core.step, "replay_again": run(),
     }
 

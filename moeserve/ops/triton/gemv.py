@@ -42,9 +42,6 @@ SKINNY_BLOCK_N = 32
 SKINNY_BLOCK_K = 128
 SKINNY_WARPS = 4
 SKINNY_STAGES = 6
-# Rows past 16 (when SKINNY_MAX_ROWS allows them): wider weight slices, so x is re-read less.
-SKINNY_WIDE_BLOCK_N = 64
-SKINNY_WIDE_STAGES = 4
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -137,10 +134,8 @@ def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_k = min(SKINNY_BLOCK_K, max(16, triton.next_power_of_2(x.shape[1])))
     m, n = x.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= 16:
-        config = SkinnyConfig(SKINNY_BLOCK_N, block_k, 1, SKINNY_WARPS, SKINNY_STAGES)
-    else:
-        config = SkinnyConfig(SKINNY_WIDE_BLOCK_N, block_k, 1, SKINNY_WARPS, SKINNY_WIDE_STAGES)
+    # Past 16 rows (when SKINNY_MAX_ROWS allows them) the kernel's own wider tile re-reads x less.
+    config = SkinnyConfig(SKINNY_BLOCK_N, block_k, 1, SKINNY_WARPS, SKINNY_STAGES) if m <= 16 else None
     # Batch stride 0 (there is one batch): x[None]'s would be rows x K, and Triton specialises
     # integers by divisibility, so a new row count could compile a new variant mid-serving.
     x1 = x.as_strided((1, m, x.shape[1]), (0, x.stride(0), x.stride(1)))

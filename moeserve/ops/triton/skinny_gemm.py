@@ -21,6 +21,7 @@ import triton.language as tl
 from moeserve.ops.triton.mla_decode import sm_count
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
+BLOCK_M = 64  # rows of x a program takes at most; more rows, more programs
 PER_HEAD_MAX_ROWS = 16  # the per-head MLA matmuls: measured faster than cuBLAS's bmm up to here
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -84,7 +85,7 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    block_m: int = 64
+    block_m: int = BLOCK_M
 
 
 def pick_config(m: int, n: int, k: int, batch: int, out_dtype: torch.dtype, device: torch.device) -> SkinnyConfig:
@@ -95,7 +96,7 @@ def pick_config(m: int, n: int, k: int, batch: int, out_dtype: torch.dtype, devi
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     if out_dtype == torch.float32:
         # A router-like [64, 2048] weight: 4 slices of 16 rows, K cut 8 ways fill 32 SMs.
-        programs = triton.cdiv(n, 16) * batch * triton.cdiv(m, 64)
+        programs = triton.cdiv(n, 16) * batch * triton.cdiv(m, BLOCK_M)
         split = max(1, min(8, sm_count(device) // max(programs, 1), k // block_k))
         return SkinnyConfig(block_n=16, block_k=block_k, split_k=split)
     if m > 16:
