@@ -31,9 +31,10 @@ from moeserve.engine.engine import EngineCore  # noqa: E402
 LATENCY = [("b1_isl1024_osl256", 1), ("b8_isl1024_osl256", 8), ("b64_isl1024_osl256", 64), ("b256_isl1024_osl256", 256)]
 
 
-# Prompt tokens a step: the peer's offline LLM class takes 16,384 on a GPU this size (its API
-# server 8,192, as moeserve's default); fewer, longer prefill steps run the MoE GEMMs at larger M.
-PREFILL_TOKENS_PER_STEP = 16384
+# Prompt tokens a step (--prefill-tokens; moeserve's own default, for serving, is 8,192). Fewer,
+# longer prefill steps run the GEMMs at larger M: on one H200 b256's 256K prompt tokens took 2.319 s
+# at 16,384 a step (the peer's offline default on this GPU), 2.247 at 32,768 and 2.222 at 65,536.
+PREFILL_TOKENS_PER_STEP = 65536
 
 
 def engine(model: str, **kw) -> EngineCore:
@@ -99,12 +100,18 @@ def main() -> None:
     ap.add_argument("--enable-mixed-chunk", action="store_true", help="decodes share steps with prompt chunks")
     ap.add_argument("--graph-set-isl", type=int, default=256)
     ap.add_argument("--graph-set-osl", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS_PER_STEP, help="prompt tokens a step")
+    ap.add_argument("--latency-only", default=None, help="comma-separated latency workload names to run")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     read_gbs = read_bandwidth_gbs()
     print(f"device {torch.cuda.get_device_name()}, read bandwidth {read_gbs:.0f} GB/s", flush=True)
     out: list = []
-    kw = dict(kv_cache_dtype=a.kv_cache_dtype, enable_mixed_chunk=a.enable_mixed_chunk)
+    kw = dict(kv_cache_dtype=a.kv_cache_dtype, enable_mixed_chunk=a.enable_mixed_chunk,
+              max_num_batched_tokens=a.prefill_tokens, chunked_prefill_size=a.prefill_tokens)
+    if a.latency_only:
+        keep = set(a.latency_only.split(","))
+        LATENCY[:] = [w for w in LATENCY if w[0] in keep]
     parts = a.parts.split(",")
     try:
         if "latency" in parts:

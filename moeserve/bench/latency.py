@@ -103,6 +103,10 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
         prefill_step_ms=[round(ms, 1) for ms in res["prefill_ms"]],
         decode_tok_s=round(batch_size * 1000 / step_ms, 1) if step_ms else None,
     )
+    if step_ms:
+        # Where the mean leaves the median: steps that took much longer than the typical one.
+        slow = [(i, round(ms, 2)) for i, ms in enumerate(res["decode_ms"]) if ms > 1.2 * step_ms]
+        fields.update(mean_decode_step_ms=round(statistics.fmean(res["decode_ms"]), 3), slow_decode_steps=slow[:32])
     if analyze_floor and step_ms:
         floor = decode_floor(core, random_prompts(batch_size, input_len, vocab, seed, "floor"), read_gbs)
         fields.update(hbm_floor=floor, floor_ratio=round(step_ms / floor["floor_ms"], 3))

@@ -125,7 +125,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if prompts_only and req.num_uncomputed_tokens <= 1:
+            decoding = req.num_uncomputed_tokens <= 1
+            # A decoder whose last allowed token is already in flight would only sample past its
+            # length limit (a whole wasted step when a batch ends together): it waits to finish.
+            if decoding and (prompts_only or req.remaining_max_tokens == 0):
                 i += 1
                 continue
             n = self._chunk(req, budget, not batch.items)

@@ -43,6 +43,11 @@ CONFIGS = {
     "sorted-dot-act-tma": {
         "DENSE": False, "MODE": "dot", "BLOCK_M": 32, "ACT_TMA": True, "up": _tma(16, 16), "down": _tma(32, 16),
     },
+    # ... and the down GEMM as a few persistent programs, each looping over several tiles.
+    "sorted-dot-persistent": {
+        "DENSE": False, "MODE": "dot", "BLOCK_M": 16, "ACT_TMA": True, "up": _tma(16, 16),
+        "down": {**_tma(16, 16), "PERSISTENT": True},
+    },
 }
 
 
@@ -158,6 +163,8 @@ def test_moe_align_drops_ids_out_of_range(align_path, poisoned):
         ("sorted-dot-tma", 21, "all-experts", torch.int32),
         ("sorted-dot-act-tma", 21, "random", torch.int32),
         ("sorted-dot-act-tma", 40, "one-expert", torch.int64),
+        ("sorted-dot-persistent", 21, "random", torch.int32),
+        ("sorted-dot-persistent", 40, "one-expert", torch.int64),
     ],
 )
 def test_fused_moe_matches_reference_fp32(name, tokens, pattern, ids_dtype, poisoned):
@@ -337,6 +344,27 @@ def test_gpu_fused_moe_is_graph_capturable():
                 dst.copy_(src)
             graph.replay()
             assert rel_err(out, ref.fused_moe(x2, w13, w2, w_new, ids_new)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_down_reads_its_tile_count_on_replay():
+    """The persistent down GEMM takes its tile count from the device, so a graph captured on one
+    routing is right on another with a different number of used blocks."""
+    config = {**CONFIGS["sorted-dot-persistent"], "BLOCK_M": 64}
+    config["down"] = {**config["down"], "BLOCK_N": 128, "BLOCK_K": 64}
+    x, w13, w2, weights, ids = make_case(300, 64, 512, 352, 6, torch.bfloat16, "random", 0)
+    static = [x.clone(), weights.clone(), ids.clone()]
+    fused_moe(static[0], w13, w2, static[1], static[2], config=config)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(static[0], w13, w2, static[1], static[2], config=config)
+    for seed, pattern in ((1, "one-expert"), (2, "all-experts"), (3, "random")):
+        x2, _, _, w_new, ids_new = make_case(300, 64, 512, 352, 6, torch.bfloat16, pattern, seed)
+        for dst, src in zip(static, (x2, w_new, ids_new), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        assert rel_err(out, ref.fused_moe(x2, w13, w2, w_new, ids_new)) < 1e-2, pattern
 
 
 def test_tuner_update_replaces_only_the_sizes_it_tunes(tmp_path):

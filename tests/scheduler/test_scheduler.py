@@ -122,3 +122,24 @@ def test_without_mixed_chunks_decodes_run_when_no_prompt_fits():
     run_step(s)
     # max_num_seqs keeps 2 waiting: the step decodes 1 rather than stalling.
     assert [(it.request.request_id, it.num_new_tokens) for it in run_step(s).items] == [("1", 1)]
+
+
+def test_overlap_never_launches_a_step_past_the_length_limit():
+    """With steps launched one ahead of their results, a request whose last allowed token is
+    already in flight is not scheduled again (that step would only sample a token to drop)."""
+    s = make()
+    s.add_request(request("1", 5, max_tokens=3))
+    sample = lambda b: [SampledToken(it.request, 5, None) for it in b.items if it.samples]  # noqa: E731
+    in_flight = s.schedule()  # the prefill: token 1
+    for _ in range(2):  # launch the next step, then collect the one before it: tokens 2 and 3
+        batch = s.schedule()
+        assert [it.num_new_tokens for it in batch.items] == [1]
+        s.update(in_flight, sample(in_flight))
+        in_flight = batch
+    req = s.running[0]
+    assert len(req.output_token_ids) == 3 and req.remaining_max_tokens == 0
+    assert not s.schedule().items  # token 3 is in flight: nothing to launch
+    s.update(in_flight, sample(in_flight))
+    assert req.status == RequestStatus.FINISHED and req.finish_reason == "length"
+    assert req.output_token_ids == [5, 5, 5] and not s.has_unfinished()
+    s.kv.check_idle_accounting()

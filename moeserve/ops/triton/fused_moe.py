@@ -15,7 +15,9 @@ descriptor (Hopper's tensor-memory accelerator) instead of per-thread loads, whi
 compute-bound prefill sizes; the gathered token rows are ordinary loads. A sorted `dot` config
 may also set `ACT_TMA`: the gate/up GEMM then writes its activations in block order (a pair's row
 is its place in the sorted layout) instead of pair order, so the down GEMM reads each block's rows
-as one contiguous tile, by TMA too.
+as one contiguous tile, by TMA too; its config may then make the down GEMM `PERSISTENT`: one
+program per SM walks the used blocks' tiles in one flattened loop, so the next tile's loads
+overlap this one's epilogue (the prompt sizes: 7% faster at 16K tokens on H200).
 The per-(token, slot) results are summed over top-k by a small kernel rather than atomics:
 deterministic, and no zero-fill or fp32 scratch the size of the output. A caller that adds a
 residual and normalises next can take them unsummed (`sum_slots=False`) and let the fused
@@ -201,26 +203,12 @@ def _moe_up_kernel(
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < INTER))
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_m"])
-def _moe_down_kernel(
-    act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_m,
-    stride_at, stride_we, stride_wn, stride_ot,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-    DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    ACT_TMA: tl.constexpr, PDL: tl.constexpr,
-):
-    """out[pair, n] = weight[pair] * (act[pair] @ down_n) for one block of pairs and BLOCK_N columns.
-
-    With TMA, `w_ptr` is a descriptor over the weights as [E * H, I] rows. With ACT_TMA the
-    activations are in block order, and with TMA too `act_ptr` is a descriptor over them.
-    """
-    wait_for_prior_grid(PDL)
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
-                                       TOPK, K_PAD, DENSE, BLOCK_M)
-    if expert < 0:
-        return
+@triton.jit
+def _down_tile(act_ptr, w_ptr, out_ptr, weights_ptr, pid_m, pid_n, expert, flat, row_ok, stride_at, stride_we,
+               stride_wn, stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               TMA: tl.constexpr, ACT_TMA: tl.constexpr):
+    """out rows of one (m block, n tile): routing weight * (act @ down_n), scattered to pair order."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
         row = (expert * HIDDEN + pid_n * BLOCK_N).to(tl.int32)
@@ -237,6 +225,64 @@ def _moe_down_kernel(
     acc *= tl.load(weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
     ptrs = out_ptr + flat[:, None] * stride_ot + n[None, :]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (n[None, :] < HIDDEN))
+
+
+@triton.jit
+def _down_tile_of(tile, used_m, num_n, act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr,
+                  num_tokens, stride_at, stride_we, stride_wn, stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr,
+                  TOPK: tl.constexpr, K_PAD: tl.constexpr, DENSE: tl.constexpr, MODE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  PRECISION: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr):
+    """One tile of a persistent down GEMM: every block below used_m holds pairs, so none is skipped."""
+    pid_m, pid_n = _tile_ids(tile, used_m, num_n, GROUP_M)
+    expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                                       TOPK, K_PAD, DENSE, BLOCK_M)
+    _down_tile(act_ptr, w_ptr, out_ptr, weights_ptr, pid_m, pid_n, expert, flat, row_ok, stride_at, stride_we,
+               stride_wn, stride_ot, INTER, HIDDEN, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, TMA, ACT_TMA)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_m"])
+def _moe_down_kernel(
+    act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens, num_m,
+    stride_at, stride_we, stride_wn, stride_ot,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+    DENSE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    ACT_TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[pair, n] = weight[pair] * (act @ down_n) for one block of pairs and BLOCK_N columns.
+
+    With TMA, `w_ptr` is a descriptor over the weights as [E * H, I] rows. With ACT_TMA the
+    activations are in block order, and with TMA too `act_ptr` is a descriptor over them.
+    PERSISTENT (sorted, both operands by TMA): PROGRAMS programs walk the used blocks' tiles in
+    one flattened loop, so a tile's loads start while the one before finishes.
+    """
+    wait_for_prior_grid(PDL)
+    num_n = tl.cdiv(HIDDEN, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_padded_ptr) // BLOCK_M  # on the device: the launch stays graph-safe
+        if INTERPRETED:  # the interpreter cannot range over a runtime int; same tiles, unflattened
+            tile = tl.program_id(0)
+            while tile < used_m * num_n:
+                _down_tile_of(tile, used_m, num_n, act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr,
+                              block_expert_ptr, num_tokens, stride_at, stride_we, stride_wn, stride_ot, INTER, HIDDEN,
+                              TOPK, K_PAD, DENSE, MODE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PRECISION, TMA, ACT_TMA)
+                tile += PROGRAMS
+        else:
+            for tile in tl.range(tl.program_id(0), used_m * num_n, PROGRAMS, flatten=True):
+                _down_tile_of(tile, used_m, num_n, act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr,
+                              block_expert_ptr, num_tokens, stride_at, stride_we, stride_wn, stride_ot, INTER, HIDDEN,
+                              TOPK, K_PAD, DENSE, MODE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PRECISION, TMA, ACT_TMA)
+    else:
+        pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, num_n, GROUP_M)
+        expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                                           TOPK, K_PAD, DENSE, BLOCK_M)
+        if expert < 0:
+            return
+        _down_tile(act_ptr, w_ptr, out_ptr, weights_ptr, pid_m, pid_n, expert, flat, row_ok, stride_at,
+                   stride_we, stride_wn, stride_ot, INTER, HIDDEN, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                   PRECISION, TMA, ACT_TMA)
 
 
 @triton.jit
@@ -265,6 +311,7 @@ class RoutePlan:
     num_tokens: int
     topk: int
     num_m: int  # m blocks in the launch grid (shape-only, so graph-safe)
+    num_padded: torch.Tensor | None = None  # sorted path: int32 [1], rows the used blocks hold (on the device)
 
 
 def plan_route(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, config: Config) -> RoutePlan:
@@ -277,8 +324,8 @@ def plan_route(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     weights = topk_weights.reshape(-1).contiguous().float()
     if config["DENSE"]:
         return RoutePlan(config, ids, weights, ids, ids, tokens, topk, tokens * topk)
-    sorted_ids, block_expert, _ = moe_align(ids, num_experts, config["BLOCK_M"])
-    return RoutePlan(config, ids, weights, sorted_ids, block_expert, tokens, topk, block_expert.numel())
+    sorted_ids, block_expert, num_padded = moe_align(ids, num_experts, config["BLOCK_M"])
+    return RoutePlan(config, ids, weights, sorted_ids, block_expert, tokens, topk, block_expert.numel(), num_padded)
 
 
 def _interpreting() -> bool:
@@ -294,6 +341,13 @@ def _tma_ready(w: torch.Tensor) -> bool:
 def _act_tma(plan: RoutePlan) -> bool:
     """Whether the activations go in block order, for a down GEMM that reads them by TMA."""
     return bool(plan.config.get("ACT_TMA", False))
+
+
+def _programs(t: torch.Tensor) -> int:
+    """Programs of a persistent launch: one per SM (a few in the interpreter, so each loops)."""
+    if not t.is_cuda:
+        return 3
+    return torch.cuda.get_device_properties(t.device).multi_processor_count
 
 
 def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor, w: torch.Tensor) -> dict:
@@ -350,13 +404,23 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only:
     args = _launch_args(plan, "down", act, w2)
     weights = _weights_arg(w2, args)
     act_arg = act
-    if args["ACT_TMA"] and args["TMA"]:
+    both_tma = args["ACT_TMA"] and args["TMA"]
+    if both_tma:
         act_arg = TensorDescriptor(act, list(act.shape), list(act.stride()), [args["BLOCK_M"], args["BLOCK_K"]])
-    grid = (plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"]),)
+    tiles = plan.num_m * triton.cdiv(hidden_size, args["BLOCK_N"])
+    # Persistent only where both operands come by TMA: flattened loops over pointer loads ran at
+    # half speed (H200); otherwise (e.g. weights TMA cannot read) the tile-per-program launch.
+    persistent = both_tma and bool(plan.config["down"].get("PERSISTENT", False))
+    # One program per SM whatever the load, so the compiled kernel never depends on the batch.
+    programs = _programs(act) if persistent else 1
+    grid = (programs if persistent else tiles,)
+    num_padded = plan.num_padded if plan.num_padded is not None else plan.ids
     _launch(
         _moe_down_kernel, grid, compile_only,
-        act_arg, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, plan.num_tokens, plan.num_m,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), INTER=act.shape[1], HIDDEN=hidden_size, **args,
+        act_arg, weights, out, plan.weights, plan.ids, plan.sorted_ids, plan.block_expert, num_padded,
+        plan.num_tokens, plan.num_m, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        INTER=act.shape[1], HIDDEN=hidden_size, PERSISTENT=persistent, PROGRAMS=programs,
+        INTERPRETED=_interpreting(), **args,
     )
     return out
 

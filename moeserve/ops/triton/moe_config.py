@@ -27,7 +27,7 @@ MODES = ("gemv", "swap", "dot")
 # The dense path computes every token against each hit expert; past this it wastes too much.
 DENSE_MAX_TOKENS = 16
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")  # and optional "TMA" (default off)
-# A config may also set "ACT_TMA" (default off): see fused_moe.
+# A config may also set "ACT_TMA", and its down GEMM "PERSISTENT" (both default off): see fused_moe.
 
 Config = dict[str, Any]
 
@@ -109,6 +109,10 @@ def validate_config(config: Config, tokens: int) -> str | None:
             return "TMA weight tiles feed tl.dot: not with MODE gemv"
     if config.get("ACT_TMA") and (config["DENSE"] or config["MODE"] != "dot" or not config["down"].get("TMA")):
         return "ACT_TMA (activations in block order, read by TMA) needs the sorted dot path with a TMA down GEMM"
+    if config["up"].get("PERSISTENT"):
+        return "PERSISTENT is a down-GEMM option"
+    if config["down"].get("PERSISTENT") and not config.get("ACT_TMA"):
+        return "a PERSISTENT down GEMM reads its activations by TMA: it needs ACT_TMA"
     return None
 
 
