@@ -52,6 +52,8 @@ class RadixCache:
         """How many whole pages of `node.key` equal `tokens[start:]`."""
         ps, n = self.page_size, 0
         limit = min(len(node.key), len(tokens) - start) // ps
+        if node.key[: limit * ps] == tokens[start : start + limit * ps]:
+            return limit  # the usual case, one C-level comparison: a finishing request re-walks its prompt
         while n < limit and node.key[n * ps : (n + 1) * ps] == tokens[start + n * ps : start + (n + 1) * ps]:
             n += 1
         return n
