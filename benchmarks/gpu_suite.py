@@ -43,7 +43,7 @@ def engine(model: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(**{**base, **kw}))
 
 
-def latency_part(model: str, read_gbs: float, out: list, kw: dict) -> None:
+def latency_part(model: str, read_gbs: float, out: list, kw: dict, workloads: list[tuple[str, int]]) -> None:
     core = engine(model, **kw)
     desc = core.describe()
     runs = [latency.measure(core, 1, 1024, 1, seed, False) for seed in range(5)]
@@ -51,7 +51,7 @@ def latency_part(model: str, read_gbs: float, out: list, kw: dict) -> None:
     ttft["ttft_runs_s"] = [r["ttft_s"] for r in runs]
     out.append(record("ttft_b1_isl1024", "cuda", **ttft, engine=desc))
     print("ttft_b1_isl1024", ttft["ttft_runs_s"], flush=True)
-    for name, bs in LATENCY:
+    for name, bs in workloads:
         # Prompts of their own per workload: one engine serves them all, and prompts drawn from one
         # seed share their first rows, which the prefix cache would then serve (64 of b256's 256).
         fields = latency.measure(core, bs, 1024, 256, 100 * bs, True, read_gbs)
@@ -109,13 +109,12 @@ def main() -> None:
     out: list = []
     kw = dict(kv_cache_dtype=a.kv_cache_dtype, enable_mixed_chunk=a.enable_mixed_chunk,
               max_num_batched_tokens=a.prefill_tokens, chunked_prefill_size=a.prefill_tokens)
-    if a.latency_only:
-        keep = set(a.latency_only.split(","))
-        LATENCY[:] = [w for w in LATENCY if w[0] in keep]
+    keep = set(a.latency_only.split(",")) if a.latency_only else None
+    workloads = [w for w in LATENCY if keep is None or w[0] in keep]
     parts = a.parts.split(",")
     try:
         if "latency" in parts:
-            latency_part(a.model, read_gbs, out, kw)
+            latency_part(a.model, read_gbs, out, kw, workloads)
             gc.collect()
             torch.cuda.empty_cache()
         if "offline" in parts:
