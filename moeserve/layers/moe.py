@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,20 @@ SKINNY_ROUTER_MAX_TOKENS = 64
 # Up to this many tokens the residual add + RMSNorm before a MoE, its router and the expert
 # selection are one kernel (ops.add_norm_route): two launches fewer a layer at decode sizes.
 NORM_ROUTE_MAX_TOKENS = 8
+# In this token range (GPU only) the shared experts run on a second CUDA stream, as dense GEMMs
+# that add into the residual, while the first stream routes and runs the routed experts: the
+# routing kernels are latency-bound and leave most of the GPU idle, which the shared experts'
+# weight stream then fills (instead of taking its turn inside the fused kernels). Decode-graph
+# replay on H200 against the fused path: b8 -2.3%, b32 -0.8%, b64 -1.6%, b128 -0.3%, b192 -0.4%;
+# b1 +4.4%, b2 +0.4%, b256 +0.4% (benchmarks/ab_decode.py, variant DUAL_STREAM_MAX_TOKENS=0).
+DUAL_STREAM_MIN_TOKENS = 8
+DUAL_STREAM_MAX_TOKENS = 192
+
+
+@functools.lru_cache(maxsize=8)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of a device (one per process: calls on a device never overlap)."""
+    return torch.cuda.Stream(device)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -110,12 +126,24 @@ class Experts(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
 
-    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out += the shared experts' output, through dense GEMMs on their stacked slices."""
+    def _shared_act(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, S, I] silu(gate) * up of the shared experts, one GEMM over their stacked slices."""
         e, s, inter = self.num_routed, self.num_shared, self.intermediate_size
         gate_up = F.linear(x, self.w13_weight[e:].reshape(s * 2 * inter, x.shape[1]))
-        act = ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s, inter)
-        for j in range(s):
+        return ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s, inter)
+
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the shared experts' output, through dense GEMMs on their stacked slices."""
+        act = self._shared_act(x)
+        for j in range(self.num_shared):
+            out.addmm_(act[:, j], self.w2_weight[self.num_routed + j].t())
+        return out
+
+    def shared_plus(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """base + the shared experts' output, as a new tensor (the first down GEMM adds `base`)."""
+        act, e = self._shared_act(x), self.num_routed
+        out = torch.addmm(base, act[:, 0], self.w2_weight[e].t())
+        for j in range(1, self.num_shared):
             out.addmm_(act[:, j], self.w2_weight[e + j].t())
         return out
 
@@ -140,13 +168,43 @@ class MoE(nn.Module):
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual), sum_slots=False), x + residual); up to NORM_ROUTE_MAX_TOKENS
-        the add + norm, router and expert selection are one kernel."""
+        the add + norm, router and expert selection are one kernel.
+
+        In the dual-stream range the pair is (routed experts' parts, x + residual + shared experts'
+        output): the same sum for the next add + norm, with the shared part on the second stream.
+        """
+        dual = self._dual_stream(x)
+        shared = not dual and self._shared_in_kernels(x)
+        route = None
         if x.shape[0] > NORM_ROUTE_MAX_TOKENS:
             normed, residual = norm.add_and_norm(x, residual)
+        else:
+            *route, normed, residual = self.gate(x, self.experts.num_shared if shared else 0, residual, norm)
+        if dual:
+            return self._dual_stream_forward(normed, residual, route)
+        if route is None:
             return self(normed, sum_slots=False), residual
-        shared = self._shared_in_kernels(x)
-        weights, ids, normed, residual = self.gate(x, self.experts.num_shared if shared else 0, residual, norm)
-        return self._experts(normed, weights, ids, shared, sum_slots=False), residual
+        return self._experts(normed, *route, shared, sum_slots=False), residual
+
+    def _dual_stream(self, x: torch.Tensor) -> bool:
+        tokens = x.shape[0]
+        return x.is_cuda and bool(self.experts.num_shared) and DUAL_STREAM_MIN_TOKENS <= tokens <= DUAL_STREAM_MAX_TOKENS
+
+    def _dual_stream_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, route: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed experts on this stream, shared experts (added into the residual) on the side one."""
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        # The side stream starts after x and the residual exist, and this stream goes on only
+        # once it is done: every tensor either stream touches is alive and final in between.
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            residual = self.experts.shared_plus(x, residual)
+        weights, ids = route if route is not None else self.gate(x)
+        e = self.experts.num_routed
+        parts = ops.fused_moe(x, self.experts.w13_weight[:e], self.experts.w2_weight[:e], weights, ids, sum_slots=False)
+        main.wait_stream(side)
+        return parts, residual
 
     def _shared_in_kernels(self, x: torch.Tensor) -> bool:
         return bool(self.experts.num_shared) and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
@@ -169,16 +227,22 @@ class MoE(nn.Module):
         from moeserve.ops.triton.moe_config import warm_up_sizes
 
         experts, k = self.experts, self.gate.config.num_experts_per_tok
+        w, routed = experts.w13_weight, experts.w13_weight[: experts.num_routed]
         fused = min(max_tokens, FUSED_SHARED_MAX_TOKENS) if experts.num_shared else 0
-        sizes = warm_up_sizes(experts.w13_weight, k + experts.num_shared, 1, fused) if fused else []
-        sizes += warm_up_sizes(experts.w13_weight[: experts.num_routed], k, fused + 1, max_tokens)
+        sizes = warm_up_sizes(w, k + experts.num_shared, 1, fused) if fused else []
+        sizes += warm_up_sizes(routed, k, fused + 1, max_tokens)
         # The router's kernel changes at other counts: GEMV, then the skinny GEMM's row blocks.
         router = (1, GEMV_ROUTER_MAX_TOKENS + 1, 17, 33, SKINNY_ROUTER_MAX_TOKENS + 1)
         sizes = sorted(set(sizes) | {t for t in router if t <= max_tokens})
-        w = experts.w13_weight
-        x = torch.randn(max(sizes, default=0), w.shape[2], dtype=w.dtype, device=w.device)
+        # The dual-stream range runs the routed experts alone (their own configs) beside the shared GEMMs.
+        dual_hi = min(max_tokens, DUAL_STREAM_MAX_TOKENS) if experts.num_shared else 0
+        dual = warm_up_sizes(routed, k, DUAL_STREAM_MIN_TOKENS, dual_hi) if dual_hi >= DUAL_STREAM_MIN_TOKENS else []
+        x = torch.randn(max([*sizes, *dual], default=0), w.shape[2], dtype=w.dtype, device=w.device)
         for tokens in sizes:
             self(x[:tokens])
+        norm = RMSNorm(w.shape[2]).to(w.device, w.dtype)
         if sizes:  # one variant serves every token count of the add + norm + route kernel
-            self.add_norm_forward(x[:1], x[:1], RMSNorm(w.shape[2]).to(w.device, w.dtype))
-        return sizes
+            self.add_norm_forward(x[:1], x[:1], norm)
+        for tokens in dual:
+            self.add_norm_forward(x[:tokens], x[:tokens], norm)
+        return sorted(set(sizes) | set(dual))

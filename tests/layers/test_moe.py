@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from moeserve.config.model_config import ModelConfig
 from moeserve.layers import moe
+from moeserve.layers.norm import RMSNorm
 from moeserve.models.loader import load_model
 
 
@@ -61,3 +62,62 @@ def test_gpu_router_logits_in_half_precision_match_float32(tokens):
     want = x.float() @ w.float().t()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _gpu_layer(checkpoints, variant: str) -> tuple[moe.MoE, RMSNorm]:
+    path = checkpoints[variant]
+    model = load_model(ModelConfig.from_path(path), path, torch.bfloat16, torch.device("cuda"))
+    layer = next(m for m in model.modules() if isinstance(m, moe.MoE))
+    norm = RMSNorm(model.config.hidden_size).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return layer, norm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("tokens", [8, 64, 192])
+def test_gpu_dual_stream_gives_the_next_layer_the_same_input(checkpoints, monkeypatch, variant, tokens):
+    """Shared experts on the side stream, added into the residual, against them inside the fused
+    kernels: the next add + norm sums the same hidden state (to bf16 rounding)."""
+    layer, norm = _gpu_layer(checkpoints, variant)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, norm.weight.shape[0], device="cuda", generator=gen).bfloat16()
+    res = torch.randn(tokens, norm.weight.shape[0], device="cuda", generator=gen).bfloat16()
+
+    def next_input(dual_max: int) -> torch.Tensor:
+        monkeypatch.setattr(moe, "DUAL_STREAM_MAX_TOKENS", dual_max)
+        monkeypatch.setattr(moe, "DUAL_STREAM_MIN_TOKENS", 1)
+        assert layer._dual_stream(x) == (dual_max > 0)
+        with torch.no_grad():
+            parts, residual = layer.add_norm_forward(x, res, norm)
+        return parts.float().sum(dim=1) + residual.float()
+
+    fused, dual = next_input(0), next_input(10**6)
+    shared_only = layer.experts.shared_plus(norm(x + res), torch.zeros_like(x)).float()
+    assert shared_only.abs().max() > 0.05  # the shared experts' part matters, so dropping it would fail
+    torch.testing.assert_close(dual, fused, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_dual_stream_replays_in_a_cuda_graph(checkpoints, monkeypatch):
+    monkeypatch.setattr(moe, "DUAL_STREAM_MIN_TOKENS", 1)
+    monkeypatch.setattr(moe, "DUAL_STREAM_MAX_TOKENS", 10**6)
+    layer, norm = _gpu_layer(checkpoints, "v3")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32, norm.weight.shape[0], device="cuda", generator=gen).bfloat16()
+    res = torch.randn_like(x)
+    with torch.no_grad():
+        layer.add_norm_forward(x, res, norm)  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            parts, residual = layer.add_norm_forward(x, res, norm)
+        for _ in range(2):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            res.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            graph.replay()
+            want_parts, want_residual = layer.add_norm_forward(x, res, norm)
+            torch.cuda.synchronize()
+            assert torch.equal(parts, want_parts)
+            assert torch.equal(residual, want_residual)
