@@ -126,24 +126,14 @@ class Experts(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
 
-    def _shared_act(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, S, I] silu(gate) * up of the shared experts, one GEMM over their stacked slices."""
+    def add_shared(self, x: torch.Tensor, base: torch.Tensor, in_place: bool = True) -> torch.Tensor:
+        """base + the shared experts' output, through dense GEMMs on their stacked slices: written
+        into `base`, or with in_place False into a new tensor (the first down GEMM adds `base`)."""
         e, s, inter = self.num_routed, self.num_shared, self.intermediate_size
         gate_up = F.linear(x, self.w13_weight[e:].reshape(s * 2 * inter, x.shape[1]))
-        return ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s, inter)
-
-    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out += the shared experts' output, through dense GEMMs on their stacked slices."""
-        act = self._shared_act(x)
-        for j in range(self.num_shared):
-            out.addmm_(act[:, j], self.w2_weight[self.num_routed + j].t())
-        return out
-
-    def shared_plus(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """base + the shared experts' output, as a new tensor (the first down GEMM adds `base`)."""
-        act, e = self._shared_act(x), self.num_routed
-        out = torch.addmm(base, act[:, 0], self.w2_weight[e].t())
-        for j in range(1, self.num_shared):
+        act = ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s, inter)
+        out = base if in_place else torch.addmm(base, act[:, 0], self.w2_weight[e].t())
+        for j in range(0 if in_place else 1, s):
             out.addmm_(act[:, j], self.w2_weight[e + j].t())
         return out
 
@@ -199,7 +189,7 @@ class MoE(nn.Module):
         # once it is done: every tensor either stream touches is alive and final in between.
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            residual = self.experts.shared_plus(x, residual)
+            residual = self.experts.add_shared(x, residual, in_place=False)
         weights, ids = route if route is not None else self.gate(x)
         e = self.experts.num_routed
         parts = ops.fused_moe(x, self.experts.w13_weight[:e], self.experts.w2_weight[:e], weights, ids, sum_slots=False)
