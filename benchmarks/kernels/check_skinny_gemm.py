@@ -9,6 +9,7 @@ With --sweep, tile shapes and K splits are timed too, for tuning `pick_config`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -73,15 +74,17 @@ def triton_calls(ws, x, out, config: SkinnyConfig | None = None):
 def sweep(ws, x, out, k: int) -> tuple[float, SkinnyConfig]:
     """The fastest of a few tile shapes (and K splits for a float32 output)."""
     best = (float("inf"), None)
+    rows = x.shape[1]
     splits = (1, 2, 4, 8) if out.dtype == torch.float32 else (1,)
-    for bn in (16, 32, 64):
-        for bk in (128, 256):
-            for split in splits:
-                c = SkinnyConfig(bn, min(bk, k), split, 4, 4 if bn * bk <= 64 * 128 else 3)
-                try:
-                    best = min(best, (graph_us(triton_calls(ws, x, out, c), 1), c), key=lambda t: t[0])
-                except Exception as exc:  # out of shared memory at this tile: skip it
-                    print(f"      {c}: {type(exc).__name__}")
+    block_ms = (64, 128) if rows > 64 else (64,)
+    for bn, bk, split, bm, warps in itertools.product((16, 32, 64, 128), (64, 128, 256), splits, block_ms, (4, 8)):
+        if bk > k or (bn == 128 and bk == 256):
+            continue
+        c = SkinnyConfig(bn, bk, split, warps, 4 if bn * bk <= 64 * 128 else 3, bm)
+        try:
+            best = min(best, (graph_us(triton_calls(ws, x, out, c), 1), c), key=lambda t: t[0])
+        except Exception as exc:  # out of shared memory at this tile: skip it
+            print(f"      {c}: {type(exc).__name__}")
     return best
 
 
@@ -89,8 +92,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,16,32,64")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated projection names (default: all)")
     a = ap.parse_args()
     for name, (batch, n, k, out_dtype) in PROJECTIONS.items():
+        if a.only and name not in a.only.split(","):
+            continue
         floor = batch * n * k * 2 / 4.2e6  # us at 4.2 TB/s
         for rows in [int(r) for r in a.rows.split(",")]:
             ws, x, out = case(name, rows)

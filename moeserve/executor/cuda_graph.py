@@ -21,7 +21,6 @@ from moeserve import ops
 from moeserve.cache.kv_cache import MLAKVCache
 from moeserve.core.batch import ForwardBatch
 from moeserve.executor.sampling_io import resolve_placeholders
-from moeserve.layers.sampler import argmax_rows
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -140,7 +139,7 @@ class CudaGraphRunner:
         hidden = self.model(ids, fb.positions, fb)
         torch.mm(hidden, self.model.lm_head.weight.t(), out=self.logits[:bs])  # what nn.Linear runs, in place
         # Greedy rows need nothing more: their tokens come out of the graph with the logits.
-        self.greedy_ids[:bs].copy_(argmax_rows(self.logits[:bs]))
+        self.greedy_ids[:bs].copy_(ops.argmax_rows(self.logits[:bs]))
 
     @torch.inference_mode()
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:

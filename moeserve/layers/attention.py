@@ -105,10 +105,11 @@ class MLAAttention(nn.Module):
         out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
         if d:
             b = batch.num_decodes
-            o_latent = ops.mla_decode(
-                q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale, kv_scale
+            # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at batch 1.
+            ops.mla_decode(
+                q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
+                kv_scale, w_uv=w_uv, out=out[:d],
             )
-            per_head_matmul(o_latent, w_uv.transpose(1, 2), out[:d])
         if hidden.shape[0] > d:
             if batch.extend_use_mha:
                 self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch, out[d:])

@@ -92,22 +92,6 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-def argmax_rows(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
-    """Each row's argmax (first maximum), in two passes when the vocabulary splits evenly.
-
-    One program per row is slow on a 100K vocabulary (23 us for one row on H200); the maximum
-    of each of `chunks` slices first, then of those, spreads the read. For CUDA graphs, where
-    the extra launches cost nothing.
-    """
-    rows, vocab = logits.shape
-    if vocab % chunks or vocab < chunks * 256:
-        return logits.argmax(dim=-1)
-    width = vocab // chunks
-    values, index = logits.view(rows, chunks, width).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
-    return (best * width + index.gather(1, best)).squeeze(1)
-
-
 def sample(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor | None = None) -> SamplerOutput:
     """Pick one token per row of `logits` [N, vocab] (`greedy_tokens`: its argmax, if known).
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moeserve.ops.reference import activation as _ref_activation
+from moeserve.ops.reference import argmax as _ref_argmax
 from moeserve.ops.reference import attention as _ref_attention
 from moeserve.ops.reference import decode_inputs as _ref_decode_inputs
 from moeserve.ops.reference import linear as _ref_linear
@@ -42,6 +43,7 @@ def _dispatch(name: str, reference: Callable, triton_module: str) -> Callable:
     return op
 
 
+argmax_rows = _dispatch("argmax_rows", _ref_argmax.argmax_rows, "argmax")
 store_kv = _ref_attention.store_kv  # folded into mla_rope_norm_store on the GPU path
 gather_kv = _dispatch("gather_kv", _ref_attention.gather_kv, "gather_kv")
 mla_decode = _dispatch("mla_decode", _ref_attention.mla_decode, "mla_decode")
@@ -63,6 +65,7 @@ unpack_decode_inputs = _dispatch(
 
 __all__ = [
     "add_norm_route",
+    "argmax_rows",
     "fused_add_rms_norm",
     "fused_moe",
     "gather_kv",

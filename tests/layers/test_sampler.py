@@ -89,18 +89,3 @@ def test_same_seed_same_tokens_regardless_of_batch_neighbours():
     alone = sample(logits[1:2], batch(1, 100, seeds=torch.tensor([42]), steps=torch.tensor([3]))).token_ids
     together = sample(logits, batch(3, 100, seeds=torch.tensor([7, 42, 9]), steps=torch.tensor([0, 3, 1]))).token_ids
     assert alone.item() == together[1].item()
-
-
-def test_argmax_rows_two_pass_matches_argmax_with_ties():
-    from moeserve.layers.sampler import argmax_rows
-
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 64 * 300, generator=gen)
-    logits[1, 7000] = logits[1, 19000] = 50.0  # a tie across chunks: the first index wins
-    logits[2, 100] = logits[2, 101] = 50.0  # a tie inside a chunk
-    logits[3] = 0.0  # all equal: index 0
-    got = argmax_rows(logits)
-    assert got.tolist() == logits.argmax(dim=-1).tolist()
-    assert got[1].item() == 7000 and got[2].item() == 100 and got[3].item() == 0
-    odd = torch.randn(2, 1001, generator=gen)  # does not split evenly: plain argmax
-    assert argmax_rows(odd).tolist() == odd.argmax(dim=-1).tolist()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.ops.reference.linear import per_head_matmul
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -89,13 +91,24 @@ def mla_decode(
     seq_lens: torch.Tensor,
     scale: float,
     kv_scale: float = 1.0,
+    *,
+    w_uv: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Absorbed-form decode: one query per sequence over its whole latent cache -> [B, H, rank]."""
-    out = torch.empty_like(q_latent)
+    """Absorbed-form decode: one query per sequence over its whole latent cache -> [B, H, rank].
+
+    With w_uv [H, v, rank] the per-head value projection follows -> [B, H, v] (into `out` if
+    given): the absorbed form's last step before o_proj, which the GPU path may fuse into its merge.
+    """
+    o_latent = torch.empty_like(q_latent)
     for b, seq_len in enumerate(seq_lens.tolist()):
         kv = _gather_one(kv_cache, block_table[b], seq_len, kv_scale)
-        out[b] = _absorbed_attention(q_latent[b : b + 1], q_rope[b : b + 1], kv, scale, seq_len - 1)[0]
-    return out
+        o_latent[b] = _absorbed_attention(q_latent[b : b + 1], q_rope[b : b + 1], kv, scale, seq_len - 1)[0]
+    if w_uv is None:
+        return o_latent
+    if out is None:
+        out = o_latent.new_empty(o_latent.shape[0], o_latent.shape[1], w_uv.shape[1])
+    return per_head_matmul(o_latent, w_uv.transpose(1, 2), out)
 
 
 def mla_extend_absorbed(

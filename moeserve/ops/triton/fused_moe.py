@@ -26,7 +26,6 @@ add + RMSNorm kernel sum them: one launch fewer per layer.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moeserve.ops.triton.device import sm_count
 from moeserve.ops.triton.moe_align import moe_align
 from moeserve.ops.triton.moe_config import Config, get_config, validate_config
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
@@ -344,16 +344,11 @@ def _act_tma(plan: RoutePlan) -> bool:
     return bool(plan.config.get("ACT_TMA", False))
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs(t: torch.Tensor) -> int:
     """Programs of a persistent launch: one per SM (a few in the interpreter, so each loops)."""
     if not t.is_cuda:
         return 3
-    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return sm_count(t.device)
 
 
 def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor, w: torch.Tensor) -> dict:

@@ -6,7 +6,8 @@ all of them. The keys of a sequence are cut into num_splits even, tile-aligned r
 program of its own (flash-decoding), so a single long sequence still fills the GPU; a second
 kernel merges the splits by their log-sum-exp. num_splits and the grid depend only on shapes: a
 sequence shorter than the splits leaves the trailing ones empty, which makes decode capturable
-in a CUDA graph. mla_extend.py reuses these kernels for prefill chunks (BLOCK_Q > 1, causal).
+in a CUDA graph (the merge, alone or fused with W_UV, is in mla_reduce.py). mla_extend.py reuses
+these kernels for prefill chunks (BLOCK_Q > 1, causal).
 At batch 1, decode loads each split's first tile before waiting on the previous kernel (PDL),
 all but the newest key, which this step's store may just have written.
 
@@ -16,31 +17,30 @@ folded into the score scale and the output. Scores use exp2, so lse is kept in b
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton import mla_reduce
+from moeserve.ops.triton.device import sm_count
+from moeserve.ops.triton.mla_reduce import (
+    query_span,
+    reduce_and_project,
+    reduce_splits,
+    split_len,
+)
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+from moeserve.ops.triton.skinny_gemm import per_head_matmul
 
 LOG2E = 1.4426950408889634
 # One tile per split is still worth it: at serving-length contexts (1-2K keys) a few programs
 # walking many tiles each are latency-bound (benchmarks/kernels/sweep_mla_short.py).
 MIN_SPLIT_KEYS = 32
 MAX_SPLITS = 512
-REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
-REDUCE_BLOCK_C = 64  # latent columns per reduce program when rows are few
-REDUCE_MIN_PROGRAMS = 256  # rows x heads from which a reduce program takes a whole row
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Keys per split of one sequence: an even share rounded up to whole tiles, at least one."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -178,20 +178,6 @@ def _first_tile_then_wait(
     return first_n, latent, rope, latent_pv
 
 
-@triton.jit
-def _query_span(seq_lens_ptr, qstart_ptr, b, DECODE: tl.constexpr, CACHE: tl.constexpr):
-    """(first query row, query count, cached + new length) of sequence b; CACHE ".cg" (L2 only)
-    where they are read before the wait (_first_tile_then_wait)."""
-    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
-    if DECODE:
-        q_start = b
-        q_len = 1
-    else:
-        q_start = tl.load(qstart_ptr + b, cache_modifier=CACHE)
-        q_len = tl.load(qstart_ptr + b + 1, cache_modifier=CACHE) - q_start
-    return q_start, q_len, seq_len
-
-
 # Ints that change from batch to batch are not specialised (a value of 1 or a multiple of 16
 # would otherwise compile a new variant mid-serving, a second-long stall).
 @triton.jit(do_not_specialize=["stride_table", "num_q_blocks", "num_splits"])
@@ -211,11 +197,11 @@ def _mla_split_kernel(
     q_block = num_q_blocks - 1 - tl.program_id(0) // head_groups
     b = tl.program_id(1)
     split = tl.program_id(2)
-    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE, ".cg" if EARLY_TILE else "")
+    q_start, q_len, seq_len = query_span(seq_lens_ptr, qstart_ptr, b, DECODE, ".cg" if EARLY_TILE else "")
     if q_block * BLOCK_Q >= q_len:
         return
     prefix = seq_len - q_len
-    chunk = _split_len(seq_len, num_splits, BLOCK_N)
+    chunk = split_len(seq_len, num_splits, BLOCK_N)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, tl.minimum(seq_len, prefix + (q_block + 1) * BLOCK_Q))
     if SPLIT_KV and lo >= hi:
@@ -271,50 +257,6 @@ def _mla_split_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _mla_reduce_kernel(
-    part_o_ptr, part_lse_ptr, seq_lens_ptr, qstart_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-    num_splits, LATENT: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_prior_grid(PDL)
-    tok = tl.program_id(0) // num_heads
-    head = tl.program_id(0) % num_heads
-    b = tl.program_id(1)
-    q_start, q_len, seq_len = _query_span(seq_lens_ptr, qstart_ptr, b, DECODE, "")
-    if tok >= q_len:
-        return
-    # Splits holding a key this row may see; every one of them was written with a finite lse.
-    pos = seq_len - q_len + tok
-    n_valid = tl.cdiv(pos + 1, _split_len(seq_len, num_splits, BLOCK_N))
-    q_row = (q_start + tok).to(tl.int64)
-    first = (q_row * num_heads + head) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    # One pass with a running max: a second pass over the lse would add a dependent memory round
-    # trip, and at decode sizes this kernel's time is its latency.
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, n_valid, BLOCK_S):
-        ok = s0 + offs_s < n_valid
-        lse = tl.load(part_lse_ptr + first + s0 + offs_s, mask=ok, other=float("-inf"))
-        o = tl.load(
-            part_o_ptr + (first + s0 + offs_s)[:, None] * LATENT + offs_c[None, :],
-            mask=ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
-        )
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        alpha = tl.exp2(m - m_new)  # 0 on the first chunk (m = -inf, m_new finite)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        den = den * alpha + tl.sum(w, 0)
-        m = m_new
-    # The largest split weighs exactly 1, so den >= 1.
-    o = acc / tl.maximum(den, 1.0)
-    ptrs = out_ptr + q_row * stride_ot + head * stride_oh + offs_c
-    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_c < LATENT)
-
-
 @dataclass(frozen=True)
 class Tiles:
     """Launch shape: BLOCK_Q tokens x BLOCK_H heads per program, BLOCK_N keys per step."""
@@ -329,18 +271,6 @@ class Tiles:
     ctas_per_sm: int = 1
     # Decode: each split loads its first KV tile before waiting on the previous kernel.
     early_tile: bool = False
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a nominal count for CPU (interpreter) tensors."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_splits_for(programs: int, max_ctx: int, tiles: Tiles, device: torch.device) -> int:
@@ -375,8 +305,13 @@ def run_absorbed(
     kv_scale: float,
     tiles: Tiles,
     num_splits: int,
+    project: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Launch the split kernel (and the reduce when num_splits > 1); query_start_loc None = decode."""
+    """Launch the split kernel (and the reduce when num_splits > 1); query_start_loc None = decode.
+
+    `project` (W_UV [H, v, rank], out [B, H, v]), decode with splits only: the reduce applies W_UV
+    too (mla_reduce.reduce_and_project) and this returns that out.
+    """
     _check(q_latent, q_rope, kv_cache, block_table)
     # Rows may be strided (q_rope is a slice of q); only the innermost dim must be contiguous.
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
@@ -412,29 +347,12 @@ def run_absorbed(
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
+    if num_splits > 1 and project is not None:
+        assert decode, "the fused value projection is a decode path"
+        return reduce_and_project(part_o, part_lse, seq_lens, *project, num_splits, tiles.block_n)
     if num_splits > 1:
-        _reduce(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
+        reduce_splits(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
     return out
-
-
-def _reduce(
-    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, qstart: torch.Tensor, out: torch.Tensor,
-    max_query_len: int, batch: int, num_splits: int, block_n: int, decode: bool,
-) -> None:
-    """Merge the splits: a program per (row, head), whole rows unless that leaves the GPU idle."""
-    _, heads, rank = out.shape
-    full = triton.next_power_of_2(rank)
-    # Few rows (batch 1-8 decode): narrower column blocks give more programs in flight. The
-    # variant depends on the batch alone, so the decode graphs compile every one an eager decode
-    # can pick; extends keep the narrow one (warmed up at start-up). BLOCK_S is fixed for the
-    # same reason: a block sized to the split count would vary with context length.
-    wide = decode and max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS
-    block_c = full if wide else min(full, REDUCE_BLOCK_C)
-    _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
-        part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
-        num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=REDUCE_BLOCK_S, BLOCK_C=block_c,
-        **pdl_launch(out),
-    )
 
 
 def decode_tiles(
@@ -472,10 +390,13 @@ def mla_decode(
     scale: float,
     kv_scale: float = 1.0,
     *,
+    w_uv: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """Absorbed-form decode over the paged latent cache -> [B, H, rank] (keywords: tuning overrides)."""
+    """Absorbed-form decode over the paged latent cache -> [B, H, rank]; with w_uv [H, v, rank] the
+    per-head value projection too -> [B, H, v] (into `out` if given). Other keywords: tuning overrides."""
     batch, heads = q_latent.shape[0], q_latent.shape[1]
     if seq_lens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(
@@ -485,6 +406,15 @@ def mla_decode(
     if num_splits is None:
         programs = batch * triton.cdiv(heads, tiles.block_h)
         num_splits = num_splits_for(programs, block_table.shape[1] * kv_cache.shape[1], tiles, q_latent.device)
-    return run_absorbed(
-        q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles, num_splits
-    )
+    if w_uv is None:
+        return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles, num_splits)
+    if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != q_latent.shape[2]:
+        raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {q_latent.shape[2]}]")
+    if out is None:
+        out = q_latent.new_empty(batch, heads, w_uv.shape[1])
+    if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
+        return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
+                            num_splits, project=(w_uv, out))
+    o_latent = run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
+                            num_splits)
+    return per_head_matmul(o_latent, w_uv.transpose(1, 2), out)

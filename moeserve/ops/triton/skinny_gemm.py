@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.ops.triton.mla_decode import sm_count
+from moeserve.ops.triton.device import sm_count
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 BLOCK_M = 64  # rows of x a program takes at most; more rows, more programs

@@ -1,0 +1,160 @@
+"""Merging flash-decoding splits of MLA attention, and the merge fused with the value projection.
+
+The split kernel (mla_decode.py) leaves, per query row, head and split, a normalised partial
+output over its keys and their log-sum-exp (base 2). The merge weighs each partial by its share
+of the total exp-sum. At batch 1 the merge, and the per-head value projection (W_UV) after it,
+are each a few-microsecond launch whose time is latency; `reduce_and_project` does both in one:
+each program loads its W_UV rows before waiting on the split kernel (weights; see pdl.py), then
+merges its head's splits and multiplies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+
+REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
+REDUCE_BLOCK_C = 64  # latent columns per reduce program when rows are few
+REDUCE_MIN_PROGRAMS = 256  # rows x heads from which a reduce program takes a whole row
+# Decode batches up to this size merge and project in one kernel: each (row, head) re-reads its
+# partials once per value block, which costs more than a launch past a couple of rows. H200
+# decode-graph replay, fused against apart (benchmarks/ab_decode.py): b1 -2.2%, b2 -1.1%; fused
+# up to b8 made b8 4.5% slower.
+PROJECT_MAX_ROWS = 2
+PROJECT_BLOCK_V = 32  # value columns (W_UV rows) per fused program
+
+
+@triton.jit
+def split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split of one sequence: an even share rounded up to whole tiles, at least one."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def query_span(seq_lens_ptr, qstart_ptr, b, DECODE: tl.constexpr, CACHE: tl.constexpr):
+    """(first query row, query count, cached + new length) of sequence b; CACHE ".cg" (L2 only)
+    where they are read before the wait (the split kernel's first tile)."""
+    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
+    if DECODE:
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(qstart_ptr + b, cache_modifier=CACHE)
+        q_len = tl.load(qstart_ptr + b + 1, cache_modifier=CACHE) - q_start
+    return q_start, q_len, seq_len
+
+
+@triton.jit
+def _merge(part_o_ptr, part_lse_ptr, first, n_valid, offs_c,
+           LATENT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """fp32 columns offs_c of one (row, head)'s merged output over its first n_valid splits."""
+    offs_s = tl.arange(0, BLOCK_S)
+    # One pass with a running max: a second pass over the lse would add a dependent memory round
+    # trip, and at decode sizes this kernel's time is its latency.
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, n_valid, BLOCK_S):
+        ok = s0 + offs_s < n_valid
+        lse = tl.load(part_lse_ptr + first + s0 + offs_s, mask=ok, other=float("-inf"))
+        o = tl.load(
+            part_o_ptr + (first + s0 + offs_s)[:, None] * LATENT + offs_c[None, :],
+            mask=ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
+        )
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)  # 0 on the first chunk (m = -inf, m_new finite)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    # The largest split weighs exactly 1, so den >= 1.
+    return acc / tl.maximum(den, 1.0)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_reduce_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, qstart_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+    num_splits, LATENT: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (query row x head, sequence, column block): merge that row's splits."""
+    wait_for_prior_grid(PDL)
+    tok = tl.program_id(0) // num_heads
+    head = tl.program_id(0) % num_heads
+    b = tl.program_id(1)
+    q_start, q_len, seq_len = query_span(seq_lens_ptr, qstart_ptr, b, DECODE, "")
+    if tok >= q_len:
+        return
+    # Splits holding a key this row may see; every one of them was written with a finite lse.
+    pos = seq_len - q_len + tok
+    n_valid = tl.cdiv(pos + 1, split_len(seq_len, num_splits, BLOCK_N))
+    q_row = (q_start + tok).to(tl.int64)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    o = _merge(part_o_ptr, part_lse_ptr, (q_row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
+    ptrs = out_ptr + q_row * stride_ot + head * stride_oh + offs_c
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_c < LATENT)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_project_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, w_ptr, out_ptr, stride_wh, stride_wv, stride_ot, stride_oh,
+    num_heads, num_splits, V_DIM: tl.constexpr, LATENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (sequence x head, value block): out[b, h, v] = merged latent [b, h] . W_UV[h, v]."""
+    b = tl.program_id(0) // num_heads
+    head = tl.program_id(0) % num_heads
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_c = tl.arange(0, BLOCK_C)
+    w = tl.load(w_ptr + head * stride_wh + offs_v[:, None] * stride_wv + offs_c[None, :],
+                mask=(offs_v[:, None] < V_DIM) & (offs_c[None, :] < LATENT), other=0.0)
+    # Written by the step's input unpacking, many kernels back: readable before the wait (pdl.py).
+    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")
+    wait_for_prior_grid(PDL)
+    n_valid = tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
+    row = b.to(tl.int64)
+    o = _merge(part_o_ptr, part_lse_ptr, (row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
+    # Rounded to the output dtype first, as the merged latent is when the projection runs apart.
+    o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
+    v = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_v, v.to(out_ptr.dtype.element_ty), mask=offs_v < V_DIM)
+
+
+def reduce_splits(
+    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, qstart: torch.Tensor, out: torch.Tensor,
+    max_query_len: int, batch: int, num_splits: int, block_n: int, decode: bool,
+) -> None:
+    """Merge the splits into `out`: a program per (row, head), whole rows unless that leaves the GPU idle."""
+    _, heads, rank = out.shape
+    full = triton.next_power_of_2(rank)
+    # Few rows (batch 1-8 decode): narrower column blocks give more programs in flight. The
+    # variant depends on the batch alone, so the decode graphs compile every one an eager decode
+    # can pick; extends keep the narrow one (warmed up at start-up). BLOCK_S is fixed for the
+    # same reason: a block sized to the split count would vary with context length.
+    wide = decode and max_query_len * heads * batch >= REDUCE_MIN_PROGRAMS
+    block_c = full if wide else min(full, REDUCE_BLOCK_C)
+    _mla_reduce_kernel[(max_query_len * heads, batch, triton.cdiv(rank, block_c))](
+        part_o, part_lse, seq_lens, qstart, out, out.stride(0), out.stride(1), heads,
+        num_splits, LATENT=rank, BLOCK_N=block_n, DECODE=decode, BLOCK_S=REDUCE_BLOCK_S, BLOCK_C=block_c,
+        **pdl_launch(out),
+    )
+
+
+def reduce_and_project(
+    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor,
+    num_splits: int, block_n: int,
+) -> torch.Tensor:
+    """Decode: merge the splits and apply W_UV [H, v, rank] per head in one launch -> out [B, H, v]."""
+    batch, heads, v_dim = out.shape
+    rank = part_o.shape[-1]
+    if w_uv.stride(-1) != 1:
+        w_uv = w_uv.contiguous()
+    _reduce_project_kernel[(batch * heads, triton.cdiv(v_dim, PROJECT_BLOCK_V))](
+        part_o, part_lse, seq_lens, w_uv, out, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
+        heads, num_splits, V_DIM=v_dim, LATENT=rank, BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S,
+        BLOCK_C=triton.next_power_of_2(rank), BLOCK_V=PROJECT_BLOCK_V, num_warps=8, **pdl_launch(out),
+    )
+    return out

@@ -1,0 +1,56 @@
+"""The one-launch row argmax matches torch.argmax: first maximum on ties, NaN as the maximum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.ops.triton import argmax
+from moeserve.ops.triton.argmax import argmax_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter runs every program in Python: small vocabularies and blocks on the CPU.
+VOCAB, BLOCK = (102400, 2048) if DEVICE == "cuda" else (1000, 128)
+
+
+def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=gen).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_matches_torch_argmax_on_random_rows(rows, dtype):
+    x = _logits(rows, VOCAB, dtype, seed=rows)
+    assert torch.equal(argmax_rows(x, BLOCK), x.argmax(dim=-1))
+
+
+def test_ties_take_the_first_index_across_and_inside_chunks():
+    x = _logits(4, VOCAB, torch.bfloat16, seed=7)
+    x[0, 3] = x[0, VOCAB - 1] = 50.0  # first and last chunk
+    x[1, BLOCK + 1] = x[1, BLOCK + 2] = 50.0  # inside one chunk
+    x[2] = 0.0  # all equal
+    x[3, 10] = float("nan")  # NaN wins, as in torch
+    got = argmax_rows(x, BLOCK)
+    assert got.tolist() == [3, BLOCK + 1, 0, 10]
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_vocab_not_a_multiple_of_the_block_and_strided_rows():
+    wide = _logits(3, VOCAB + 100, torch.bfloat16, seed=3)
+    x = wide[:, 50 : 50 + VOCAB - 7]  # rows strided, vocab ragged
+    x[1, -1] = 60.0
+    got = argmax_rows(x, BLOCK)
+    assert torch.equal(got, x.argmax(dim=-1)) and got[1].item() == VOCAB - 8
+
+
+def test_counters_are_reset_for_the_next_call():
+    for seed in range(3):
+        x = _logits(2, VOCAB, torch.bfloat16, seed=seed)
+        assert torch.equal(argmax_rows(x, BLOCK), x.argmax(dim=-1))
+    assert int(argmax._counters(torch.device(DEVICE)).abs().sum()) == 0
+
+
+def test_rejects_a_non_matrix():
+    with pytest.raises(ValueError, match="rows, vocab"):
+        argmax_rows(torch.zeros(3, device=DEVICE))
