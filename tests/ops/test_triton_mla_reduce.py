@@ -68,15 +68,6 @@ def test_the_fused_path_is_taken_up_to_its_batch_limit(monkeypatch):
     assert len(calls) == mla_reduce.PROJECT_MAX_ROWS == 2
 
 
-def test_rejects_a_w_uv_of_the_wrong_shape():
-    gen = torch.Generator().manual_seed(0)
-    cache, table = paged_cache([5], 16, 40, torch.float32, gen)
-    q_latent, q_rope = mla_inputs(1, 4, 32, 8, torch.float32, gen)
-    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="w_uv"):
-        mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=torch.zeros(4, 16, 31, device=DEVICE))
-
-
 # --- GPU tests: real shapes ----------------------------------------------------------------------
 
 
