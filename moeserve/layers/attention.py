@@ -105,7 +105,7 @@ class MLAAttention(nn.Module):
         out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
         if d:
             b = batch.num_decodes
-            # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at batch 1.
+            # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at batch 1-2.
             ops.mla_decode(
                 q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
                 kv_scale, w_uv=w_uv, out=out[:d],

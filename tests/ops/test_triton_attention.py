@@ -207,6 +207,8 @@ def test_empty_inputs_and_bad_shapes():
         mla_decode(q_latent, q_rope[..., :4], cache, table, lens, 1.0)
     with pytest.raises(ValueError, match="w_uv"):  # the value projection's [H, v, rank] weight
         mla_decode(q_latent, q_rope, cache, table, lens, 1.0, w_uv=torch.zeros(2, 16, 31, device=DEVICE))
+    w_uv = torch.zeros(2, 16, 32, device=DEVICE)
+    assert mla_decode(q_latent[:0], q_rope[:0], cache, table[:0], lens[:0], 1.0, w_uv=w_uv).shape == (0, 2, 16)
     empty = mla_extend_absorbed(q_latent[:0], q_rope[:0], cache, table[:0], lens[:0], cumsum0([]), 0, 1.0)
     assert empty.shape == (0, 2, 32)
     q = torch.randn(0, 2, 24, device=DEVICE)

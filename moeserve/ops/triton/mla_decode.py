@@ -25,12 +25,7 @@ import triton.language as tl
 
 from moeserve.ops.triton import mla_reduce
 from moeserve.ops.triton.device import sm_count
-from moeserve.ops.triton.mla_reduce import (
-    query_span,
-    reduce_and_project,
-    reduce_splits,
-    split_len,
-)
+from moeserve.ops.triton.mla_reduce import query_span, reduce_and_project, reduce_splits, split_len
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 from moeserve.ops.triton.skinny_gemm import per_head_matmul
 
@@ -317,7 +312,10 @@ def run_absorbed(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     rows, heads, rank = q_latent.shape
-    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    fused = project is not None and num_splits > 1
+    assert not fused or query_start_loc is None, "the fused value projection is a decode path"
+    # Fused, the projection's output is the result (the split kernel writes only partials then).
+    out = project[1] if fused else torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     batch = seq_lens.shape[0]
     if rows == 0 or batch == 0 or max_query_len <= 0:
         return out
@@ -347,8 +345,7 @@ def run_absorbed(
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
-    if num_splits > 1 and project is not None:
-        assert decode, "the fused value projection is a decode path"
+    if fused:
         return reduce_and_project(part_o, part_lse, seq_lens, *project, num_splits, tiles.block_n)
     if num_splits > 1:
         reduce_splits(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
