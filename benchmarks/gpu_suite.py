@@ -33,8 +33,10 @@ LATENCY = [("b1_isl1024_osl256", 1), ("b8_isl1024_osl256", 8), ("b64_isl1024_osl
 
 # Prompt tokens a step (--prefill-tokens; moeserve's own default, for serving, is 8,192). Fewer,
 # longer prefill steps run the GEMMs at larger M: on one H200 b256's 256K prompt tokens took 2.319 s
-# at 16,384 a step (the peer's offline default on this GPU), 2.247 at 32,768 and 2.222 at 65,536.
-PREFILL_TOKENS_PER_STEP = 65536
+# at 16,384 a step (the peer's offline default on this GPU), 2.247 at 32,768 and 2.222 at 65,536;
+# on another, 2.21 at 65,536, 2.19 at 131,072 (activation peak 9.6 GiB, the KV pool 0.6 GiB
+# smaller) and 2.21 at 262,144 (19 GiB).
+PREFILL_TOKENS_PER_STEP = 131072
 
 
 def engine(model: str, **kw) -> EngineCore:
