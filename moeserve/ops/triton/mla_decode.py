@@ -312,8 +312,8 @@ def run_absorbed(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     rows, heads, rank = q_latent.shape
-    fused = project is not None and num_splits > 1
-    assert not fused or query_start_loc is None, "the fused value projection is a decode path"
+    fused = project is not None
+    assert not fused or (query_start_loc is None and num_splits > 1), "the fused value projection merges decode splits"
     # Fused, the projection's output is the result (the split kernel writes only partials then).
     out = project[1] if fused else torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     batch = seq_lens.shape[0]
@@ -403,15 +403,16 @@ def mla_decode(
     if num_splits is None:
         programs = batch * triton.cdiv(heads, tiles.block_h)
         num_splits = num_splits_for(programs, block_table.shape[1] * kv_cache.shape[1], tiles, q_latent.device)
-    if w_uv is None:
-        return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles, num_splits)
-    if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != q_latent.shape[2]:
-        raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {q_latent.shape[2]}]")
-    if out is None:
-        out = q_latent.new_empty(batch, heads, w_uv.shape[1])
-    if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
-        return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
-                            num_splits, project=(w_uv, out))
-    o_latent = run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
-                            num_splits)
-    return per_head_matmul(o_latent, w_uv.transpose(1, 2), out)
+    project = None
+    if w_uv is not None:
+        if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != q_latent.shape[2]:
+            raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {q_latent.shape[2]}]")
+        if out is None:
+            out = q_latent.new_empty(batch, heads, w_uv.shape[1])
+        if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
+            project = (w_uv, out)
+    result = run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
+                          num_splits, project=project)
+    if w_uv is None or project is not None:
+        return result
+    return per_head_matmul(result, w_uv.transpose(1, 2), out)
