@@ -69,14 +69,27 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (queries [T, H, qk_head_dim], kv_a output [T, rank + rope_dim])."""
-        q_a, kv = _linear(self.fused_qkv_a_proj, hidden).split([self.q_a_dim, self.kv_lora_rank + self.rope_dim], dim=-1)
+    def _project(self, qkv_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fused_qkv_a_proj's output -> (queries [T, H, qk_head_dim], kv_a output [T, rank + rope_dim])."""
+        q_a, kv = qkv_a.split([self.q_a_dim, self.kv_lora_rank + self.rope_dim], dim=-1)
         q = q_a if self.q_lora_rank is None else _linear(self.q_b_proj, self.q_a_layernorm(q_a))
-        return q.view(hidden.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv
+        return q.view(qkv_a.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, kv = self._project(hidden)
+        """Attention over the already normalised hidden states [T, hidden] -> [T, hidden]."""
+        return self._attend(positions, _linear(self.fused_qkv_a_proj, hidden), batch)
+
+    def add_norm_forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), x + residual); at decode sizes on the GPU the add + norm run
+        inside the first projection's kernel. x may be a MoE's per-expert parts [T, slots, hidden]."""
+        proj = self.fused_qkv_a_proj
+        qkv_a, residual = ops.add_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        return self._attend(positions, qkv_a, batch), residual
+
+    def _attend(self, positions: torch.Tensor, qkv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, kv = self._project(qkv_a)
         cache = batch.kv_cache.layer(self.layer_idx)
         kv_scale = batch.kv_cache.kv_scale
         d = batch.num_decode_tokens
@@ -102,7 +115,8 @@ class MLAAttention(nn.Module):
             **absorb,
         )
         # Every path writes its rows of `out` in place: no concatenation or copy before o_proj.
-        out = hidden.new_empty(hidden.shape[0], self.num_heads, self.v_dim)
+        tokens = q.shape[0]
+        out = q.new_empty(tokens, self.num_heads, self.v_dim)
         if d:
             b = batch.num_decodes
             # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at batch 1-2.
@@ -110,7 +124,7 @@ class MLAAttention(nn.Module):
                 q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
                 kv_scale, w_uv=w_uv, out=out[:d],
             )
-        if hidden.shape[0] > d:
+        if tokens > d:
             if batch.extend_use_mha:
                 self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch, out[d:])
             else:

@@ -35,10 +35,10 @@ class DecoderLayer(nn.Module):
         output may be its per-expert parts [T, slots, H]: that op sums them too.
         """
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual = hidden
+            hidden = self.self_attn(positions, self.input_layernorm(hidden), batch)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
+            hidden, residual = self.self_attn.add_norm_forward(positions, hidden, residual, self.input_layernorm, batch)
         if isinstance(self.mlp, MoE):
             return self.mlp.add_norm_forward(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)

@@ -108,3 +108,50 @@ def test_gpu_gemv_in_a_cuda_graph_reads_new_inputs():
         graph.replay()
         want = F.linear(rms_norm(x, norm_w, 1e-6).float(), w.float())
         torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+# --- add + RMSNorm + projection in one kernel (a decode layer's first projection) ---------------
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_add_norm_linear_matches_the_reference(slots, rows, monkeypatch):
+    """Summed parts + residual, normalised and projected, against the reference op; the summed
+    rows come back too. Two rows run the kernel's row loop (with the limit raised) and the fallback."""
+    from moeserve.ops.reference.linear import add_norm_linear as reference
+
+    gen = torch.Generator().manual_seed(7 * slots + rows)
+    x = rand(gen, rows, slots, 64) if slots > 1 else rand(gen, rows, 64)
+    residual, gain, w, bias = rand(gen, rows, 64), rand(gen, 64), rand(gen, 40, 64), rand(gen, 40)
+    want, want_sum = reference(x, residual, gain, 1e-6, w, bias)
+    for limit in (rows, rows - 1):  # the one-kernel path, then (for rows - 1 < rows) the fallback
+        monkeypatch.setattr(gemv_module, "ADD_NORM_MAX_ROWS", limit)
+        got, got_sum = gemv_module.add_norm_linear(x, residual, gain, 1e-6, w, bias)
+        torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [1, 8])
+def test_gpu_add_norm_linear_in_a_cuda_graph(slots):
+    """V2-Lite's fused_qkv_a behind a MoE's eight parts (or a dense MLP's one row), bfloat16, captured
+    once and replayed on fresh inputs: the projection and the next residual follow the reference."""
+    from moeserve.ops.reference.linear import add_norm_linear as reference
+
+    gen = torch.Generator().manual_seed(100 + slots)
+    w = (rand(gen, 3648, 2048) * 0.02).bfloat16()
+    gain = (1 + 0.1 * rand(gen, 2048)).bfloat16()
+    x = rand(gen, 1, slots, 2048, dtype=torch.bfloat16) if slots > 1 else rand(gen, 1, 2048, dtype=torch.bfloat16)
+    residual = rand(gen, 1, 2048, dtype=torch.bfloat16)
+    gemv_module.add_norm_linear(x, residual, gain, 1e-6, w)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, summed = gemv_module.add_norm_linear(x, residual, gain, 1e-6, w)
+    for seed in range(3):
+        fresh = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=fresh).to(DEVICE, torch.bfloat16))
+        residual.copy_(torch.randn(residual.shape, generator=fresh).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        want, want_sum = reference(x, residual, gain, 1e-6, w)  # PyTorch in bfloat16, cuBLAS's projection
+        torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+        torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())

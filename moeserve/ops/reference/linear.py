@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.reference.norm import fused_add_rms_norm
+
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T for x [B, M, K], w [B, N, K] (any strides), accumulated in float32.
@@ -29,3 +31,13 @@ def linear(
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight, bias)
     return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
+
+
+def add_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual): a pre-norm layer's first projection with the
+    residual add before it; x may be [T, slots, H] parts to sum first (see fused_add_rms_norm)."""
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), summed
