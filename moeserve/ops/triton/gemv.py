@@ -47,18 +47,25 @@ SKINNY_WARPS = 4
 SKINNY_STAGES = 6
 
 
-@triton.jit(do_not_specialize=["M", "N"])
-def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program: BLOCK_N output columns for every row of x."""
+@triton.jit
+def _weight_rows(w_ptr, stride_wn, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(offs_n, n_ok, offs_k, k_ok, rows) of this program's BLOCK_N whole weight rows, loaded now."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
     w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                 mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    return offs_n, n_ok, offs_k, k_ok, w
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program: BLOCK_N output columns for every row of x."""
+    offs_n, n_ok, offs_k, k_ok, w = _weight_rows(w_ptr, stride_wn, N, K, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     wait_for_prior_grid(PDL)
@@ -91,12 +98,7 @@ def _add_norm_gemv_kernel(
 ):
     """Program: BLOCK_N output columns of norm(sum of x's slots + residual) @ w^T for every row;
     program 0 also stores the summed rows (the next residual)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    k_ok = offs_k < K
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    offs_n, n_ok, offs_k, k_ok, w = _weight_rows(w_ptr, stride_wn, N, K, BLOCK_N, BLOCK_K)
     gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
