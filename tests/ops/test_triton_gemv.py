@@ -131,6 +131,15 @@ def test_add_norm_linear_matches_the_reference(slots, rows, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_add_norm_linear_rejects_parts_that_do_not_match_the_residual():
+    gen = torch.Generator().manual_seed(3)
+    w, gain = rand(gen, 8, 64), rand(gen, 64)
+    with pytest.raises(ValueError, match="does not match"):
+        gemv_module.add_norm_linear(rand(gen, 1, 3, 64), rand(gen, 2, 64), gain, 1e-6, w)  # rows differ
+    with pytest.raises(ValueError, match="does not match"):
+        gemv_module.add_norm_linear(rand(gen, 1, 3, 32), rand(gen, 1, 64), gain, 1e-6, w)  # widths differ
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("slots", [1, 8])
 def test_gpu_add_norm_linear_in_a_cuda_graph(slots):

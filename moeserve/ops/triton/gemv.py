@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.reference.linear import linear as reference_linear
-from moeserve.ops.triton.norm import fused_add_rms_norm, normalize_row
+from moeserve.ops.triton.norm import check_inputs, fused_add_rms_norm, normalize_row
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 from moeserve.ops.triton.skinny_gemm import SkinnyConfig, skinny_bmm
 
@@ -218,11 +218,12 @@ def add_norm_linear(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference `add_norm_linear`: one kernel up to ADD_NORM_MAX_ROWS rows, the norm then `linear` past them."""
-    rows, width = residual.shape
+    check_inputs(x, residual, norm_weight)  # the fallback's norm checks them too; the kernel relies on them
+    rows, width = residual.shape[0], residual.shape[-1]
     slots = x.shape[1] if x.dim() == 3 else 1
     one_kernel = (
-        0 < rows <= ADD_NORM_MAX_ROWS and fits(residual, weight) and x.dtype == weight.dtype == residual.dtype
-        and norm_weight.shape == (width,) and x.stride(-1) == 1 and residual.stride(-1) == 1
+        residual.dim() == 2 and 0 < rows <= ADD_NORM_MAX_ROWS and fits(residual, weight) and weight.shape[1] == width
+        and x.dtype == weight.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
     )
     if not one_kernel:
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)

@@ -73,8 +73,8 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
-    """Raise on inputs the kernel cannot take."""
+def check_inputs(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """Raise on (x, residual, norm weight) the norm kernels cannot take."""
     width = x.shape[-1]
     if residual is not None and x.dim() == residual.dim() + 1:
         x = x[..., 0, :]  # [T, slots, H] parts to sum: checked as the [T, H] they sum to
@@ -93,7 +93,7 @@ def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed); summed is `normed` itself when there is no residual."""
-    _check(x, residual, weight)
+    check_inputs(x, residual, weight)
     width = x.shape[-1]
     has_slots = residual is not None and x.dim() == residual.dim() + 1
     slots = x.shape[-2] if has_slots else 1
