@@ -72,6 +72,18 @@ def test_admission_reserves_room_for_generation():
     assert len(s.running) == 1, "a second request would overcommit the reserved pages"
 
 
+def test_one_step_admits_a_burst_only_as_far_as_reservations_allow():
+    # 20 pages of 4 tokens; each request reserves 2 prompt pages + 4 output pages. The pool could
+    # hold all five prompts now, but the reservations of those admitted earlier in the same step
+    # leave room for three.
+    s = make(num_pages=20, init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    for i in range(5):
+        s.add_request(request(str(i), 8, max_tokens=16))
+    batch = run_step(s)
+    assert [it.request.request_id for it in batch.items] == ["0", "1", "2"]
+    assert [r.request_id for r in s.waiting] == ["3", "4"]
+
+
 def test_retraction_requeues_youngest_at_head(caplog):
     caplog.set_level(logging.WARNING)
     s = make(num_pages=6, page_size=2, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
