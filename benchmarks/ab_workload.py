@@ -10,7 +10,6 @@ GPU's clocks falls on both; the first line names the `moeserve` each call import
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -24,10 +23,7 @@ from moeserve.bench import latency  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap = gpu_suite.workload_parser(__doc__)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--tag", required=True, help="name of this tree in the output")
     a = ap.parse_args()

@@ -45,6 +45,15 @@ def engine(model: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(**{**base, **kw}))
 
 
+def workload_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser with the engine and batch arguments the single-workload scripts share."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--batch-size", type=int, default=256)
+    return ap
+
+
 def latency_part(model: str, read_gbs: float, out: list, kw: dict, workloads: list[tuple[str, int]]) -> None:
     core = engine(model, **kw)
     desc = core.describe()

@@ -11,7 +11,6 @@ kernels by step: the first four one by one (prompt steps), the later ones as a m
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import gzip
 import json
@@ -69,10 +68,7 @@ def idle_report(events: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap = gpu_suite.workload_parser(__doc__)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--trace", default=None, help="also write the chrome trace here (.json.gz)")
     a = ap.parse_args()
