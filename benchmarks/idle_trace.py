@@ -78,12 +78,14 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall, steps = run(core, a.batch_size, a.output_len, 0, "traced")
     path = Path(a.trace or "/tmp/idle_trace.json")
-    prof.export_chrome_trace(str(path.with_suffix("") if path.suffix == ".gz" else path))
-    raw = path.with_suffix("") if path.suffix == ".gz" else path
-    events = json.loads(raw.read_text())["traceEvents"]
-    if path.suffix == ".gz":
+    compress = path.suffix == ".gz"
+    raw = path.with_suffix("") if compress else path  # the profiler writes plain JSON only
+    prof.export_chrome_trace(str(raw))
+    text = raw.read_text()
+    events = json.loads(text)["traceEvents"]
+    if compress:
         with gzip.open(path, "wt") as f:
-            f.write(raw.read_text())
+            f.write(text)
         raw.unlink()
     report = idle_report(events)
     first, rest = report["idle_by_step_ms"][:4], report["idle_by_step_ms"][4:-1]
