@@ -26,8 +26,9 @@ FUSED_SHARED_MAX_TOKENS = 384
 GEMV_ROUTER_MAX_TOKENS = 8
 SKINNY_ROUTER_MAX_TOKENS = 64
 # Up to this many tokens the residual add + RMSNorm before a MoE, its router and the expert
-# selection are one kernel (ops.add_norm_route): two launches fewer a layer at decode sizes.
-NORM_ROUTE_MAX_TOKENS = 8
+# selection are one kernel (ops.add_norm_route): two launches fewer a layer at decode sizes
+# (past 16 the three kernels are faster; see ops/triton/norm_route.py).
+NORM_ROUTE_MAX_TOKENS = 16
 # In this token range (GPU only) the shared experts run on a second CUDA stream, as dense GEMMs
 # that add into the residual, while the first stream routes and runs the routed experts: the
 # routing kernels are latency-bound and leave most of the GPU idle, which the shared experts'

@@ -7,7 +7,7 @@ import torch
 
 from moeserve.ops.reference import moe as ref
 from moeserve.ops.triton import norm_route
-from moeserve.ops.triton.norm_route import MAX_TOKENS, add_norm_route
+from moeserve.ops.triton.norm_route import MAX_TOKENS, PER_TOKEN_MAX_TOKENS, add_norm_route
 from tests.ops.test_triton_routing import REAL, VARIANTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,23 +47,24 @@ def check(experts: int, rules: dict, tokens: int, hidden: int, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v3", "v2-grouped"])
-@pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS])
+@pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS, MAX_TOKENS + 1, PER_TOKEN_MAX_TOKENS])
 def test_matches_the_three_reference_ops(variant, tokens):
     experts, rules = VARIANTS[variant]
     check(experts, rules, tokens, 48, torch.bfloat16, seed=tokens, num_shared=2 if variant == "v2-lite" else 0)
 
 
-def test_the_counter_is_reset_for_the_next_call():
+@pytest.mark.parametrize("tokens", [2, 13])
+def test_the_counters_are_reset_for_the_next_call(tokens):
     experts, rules = VARIANTS["v3"]
     for seed in range(3):
-        check(experts, rules, 2, 32, torch.bfloat16, seed=seed)
-    assert norm_route._counter(torch.device(DEVICE)).item() == 0
+        check(experts, rules, tokens, 32, torch.bfloat16, seed=seed)
+    assert not norm_route._counters(torch.device(DEVICE)).any()
 
 
 def test_falls_back_past_its_sizes_and_rejects_bad_shapes():
     experts, rules = VARIANTS["v2-lite"]
     # Three kernels (bf16 only on the GPU: CPU torch has no bf16 matmul into float32).
-    check(experts, rules, MAX_TOKENS + 3, 40, torch.bfloat16 if DEVICE == "cuda" else torch.float32, seed=5)
+    check(experts, rules, PER_TOKEN_MAX_TOKENS + 3, 40, torch.bfloat16 if DEVICE == "cuda" else torch.float32, seed=5)
     check(experts, rules, 2, 40, torch.float32, seed=6)  # float32: three kernels
     x = torch.zeros(2, 40, device=DEVICE, dtype=torch.bfloat16)
     rules = dict(rules, correction_bias=None)
@@ -72,7 +73,7 @@ def test_falls_back_past_its_sizes_and_rejects_bad_shapes():
     with pytest.raises(ValueError, match="top_k"):
         add_norm_route(x, x, torch.ones(40, device=DEVICE), 1e-6, torch.zeros(4, 40, device=DEVICE, dtype=x.dtype),
                        **rules)
-    assert norm_route._counter(torch.device(DEVICE)).item() == 0
+    assert not norm_route._counters(torch.device(DEVICE)).any()
 
 
 # --- GPU: real widths and expert counts -----------------------------------------------------------
@@ -80,22 +81,23 @@ def test_falls_back_past_its_sizes_and_rejects_bad_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", list(REAL))
-@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 13, PER_TOKEN_MAX_TOKENS, 64])
 def test_gpu_real_shapes(model, tokens):
     experts, rules = REAL[model]
     hidden = {"v2-lite": 2048, "v2": 5120, "v3": 7168}[model]
     for seed in range(3):
         check(experts, rules, tokens, hidden, torch.bfloat16, seed=seed + 10 * tokens, num_shared=2 if model == "v2-lite" else 0)
-    assert norm_route._counter(torch.device(DEVICE)).item() == 0
+    assert not norm_route._counters(torch.device(DEVICE)).any()
 
 
 @pytest.mark.gpu
-def test_gpu_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("tokens", [8, 16])
+def test_gpu_replays_in_a_cuda_graph(tokens):
     experts, rules = REAL["v2-lite"]
     rules = dict(rules, correction_bias=None, num_shared=2)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 2048, generator=gen).to("cuda", torch.bfloat16)
-    res = torch.randn(8, 2048, generator=gen).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, 2048, generator=gen).to("cuda", torch.bfloat16)
+    res = torch.randn(tokens, 2048, generator=gen).to("cuda", torch.bfloat16)
     norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
     router = (torch.randn(experts, 2048, generator=gen) * 0.05).to("cuda", torch.bfloat16)
     add_norm_route(x, res, norm_w, 1e-6, router, **rules)  # compile outside capture
@@ -103,11 +105,11 @@ def test_gpu_replays_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         outs = [add_norm_route(x, res, norm_w, 1e-6, router, **rules) for _ in range(3)]
     for _ in range(2):
-        x.copy_(torch.randn(8, 2048, generator=gen).to("cuda", torch.bfloat16))
+        x.copy_(torch.randn(tokens, 2048, generator=gen).to("cuda", torch.bfloat16))
         graph.replay()
         want = ref.add_norm_route(x, res, norm_w, 1e-6, router, **rules)
         for got in outs:
             assert torch.equal(got[1], want[1])
             assert torch.equal(got[3].long().sort(dim=1)[0], want[3].sort(dim=1)[0])
     torch.cuda.synchronize()
-    assert norm_route._counter(torch.device("cuda")).item() == 0
+    assert not norm_route._counters(torch.device("cuda")).any()

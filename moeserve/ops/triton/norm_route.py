@@ -7,9 +7,15 @@ program of a token computes the same row; the first one stores it), and writes i
 float32 logits. The last program to finish, found by an atomic counter, reads all the logits back
 and selects every token's experts with the same code as `select_experts`.
 
-The counter lives in device memory per GPU and the last program resets it, so calls must not
-overlap on one device (one compute stream, as the engine runs). Past MAX_TOKENS, for other
-dtypes, or for rows too wide for registers, the call falls back to the three separate kernels.
+From MAX_TOKENS + 1 to PER_TOKEN_MAX_TOKENS each token has its own counter, so the last program
+of each token selects that token's experts, and programs score more experts each (one selecting
+program would take too long). Past that the three kernels are faster: at 24-256 tokens this
+kernel made decode-graph replay 1-3% slower on H200, and a program per 16 tokens scoring all
+experts by a dot (two passes over the row) 4-7% slower: too few programs to stream the rows.
+
+The counters live in device memory per GPU and the last program resets its own, so calls must
+not overlap on one device (one compute stream, as the engine runs). Past PER_TOKEN_MAX_TOKENS,
+for other dtypes, or for rows too wide for registers, the call falls back to the three kernels.
 """
 
 from __future__ import annotations
@@ -28,12 +34,17 @@ from moeserve.ops.triton.routing import select_experts, select_rows, selection_c
 MAX_TOKENS = 8
 BLOCK_E = 2  # experts a program scores: many small programs keep the most weight loads in flight
 MAX_HIDDEN = 8192  # a program holds BLOCK_E router rows and a token's row in registers
+# Past MAX_TOKENS, a counter per token and more experts a program (decode-graph replay on H200
+# against the three kernels: b12 -1.7%, b16 -1.8%, b24 +1.1%, b32 even).
+PER_TOKEN_MAX_TOKENS = 16
+PER_TOKEN_BLOCK_E = 4
 
 
 @functools.lru_cache(maxsize=16)
-def _counter(device: torch.device) -> torch.Tensor:
-    """This device's arrival counter (zero between calls: the last program resets it)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+def _counters(device: torch.device) -> torch.Tensor:
+    """This device's arrival counters, one per group of tokens (zero between calls: each group's
+    last program resets its own)."""
+    return torch.zeros(PER_TOKEN_MAX_TOKENS, dtype=torch.int32, device=device)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -46,7 +57,8 @@ def _norm_route_kernel(
     NORMALISE: tl.constexpr, SCALE: tl.constexpr, NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (expert block, token m): norm row m, score BLOCK_E experts; the last one selects."""
+    """Program (expert block, token m): norm row m, score BLOCK_E experts; the last program of
+    m's group of T_PAD tokens selects that group's experts."""
     pid_e = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -68,10 +80,11 @@ def _norm_route_kernel(
     tl.store(logits_ptr + m * E_PAD + experts, logits, mask=experts < NUM_EXPERTS)
     # Every thread's logits are stored before the one atomic (a release at GPU scope) says so.
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        rows = tl.arange(0, T_PAD)
+    group = m // T_PAD
+    arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.minimum(T_PAD, num_tokens - group * T_PAD) - 1:
+        tl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
+        rows = group * T_PAD + tl.arange(0, T_PAD)
         ecols = tl.arange(0, E_PAD)
         valid = (rows[:, None] < num_tokens) & (ecols[None, :] < NUM_EXPERTS)
         # Other programs' stores: read from L2 (".cg"), never from this SM's incoherent L1.
@@ -89,7 +102,7 @@ def fits(x: torch.Tensor, residual: torch.Tensor, router_weight: torch.Tensor) -
     """Whether the one-launch kernel takes this call (otherwise: the three separate kernels)."""
     half = (torch.bfloat16, torch.float16)
     return (
-        x.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] <= MAX_HIDDEN
+        x.dim() == 2 and 0 < x.shape[0] <= PER_TOKEN_MAX_TOKENS and x.shape[1] <= MAX_HIDDEN
         and x.dtype in half and router_weight.dtype == x.dtype and residual.shape == x.shape
         and residual.dtype == x.dtype and x.stride(1) == 1 and residual.stride(1) == 1 and router_weight.is_contiguous()
     )
@@ -117,10 +130,14 @@ def add_norm_route(
     weights = torch.empty(tokens, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, width, dtype=torch.int32, device=x.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
-    _norm_route_kernel[(triton.cdiv(experts, BLOCK_E), tokens)](
+    # Up to MAX_TOKENS one group (one program selects all); past it a group per token.
+    few = tokens <= MAX_TOKENS
+    block_e = BLOCK_E if few else PER_TOKEN_BLOCK_E
+    _norm_route_kernel[(triton.cdiv(experts, block_e), tokens)](
         x, residual, norm_weight.contiguous(), router_weight, bias, normed, summed, logits, weights, ids,
-        _counter(x.device), tokens, x.stride(0), residual.stride(0), float(eps),
+        _counters(x.device), tokens, x.stride(0), residual.stride(0), float(eps),
         float(routing["routed_scaling_factor"]), HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden),
-        BLOCK_E=BLOCK_E, E_PAD=e_pad, T_PAD=MAX_TOKENS, **constants, num_warps=4, **pdl_launch(x),
+        BLOCK_E=block_e, E_PAD=e_pad, T_PAD=MAX_TOKENS if few else 1, **constants,
+        num_warps=4, **pdl_launch(x),
     )
     return normed, summed, weights, ids
