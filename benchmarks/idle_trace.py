@@ -94,5 +94,6 @@ def main() -> None:
           f"{report['idle_after_last_kernel_ms']:.1f} ms, between kernels {report['idle_between_kernels_ms']:.1f} ms")
     print(f"  between kernels: steps 0-3 {first} ms, later steps {sum(rest) / max(len(rest), 1) * 1000:.0f} us each")
 
+
 if __name__ == "__main__":
     main()

@@ -218,16 +218,16 @@ def add_norm_linear(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference `add_norm_linear`: one kernel up to ADD_NORM_MAX_ROWS rows, the norm then `linear` past them."""
-    check_inputs(x, residual, norm_weight)  # the fallback's norm checks them too; the kernel relies on them
     rows, width = residual.shape[0], residual.shape[-1]
     slots = x.shape[1] if x.dim() == 3 else 1
     one_kernel = (
         residual.dim() == 2 and 0 < rows <= ADD_NORM_MAX_ROWS and fits(residual, weight) and weight.shape[1] == width
         and x.dtype == weight.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
     )
-    if not one_kernel:
+    if not one_kernel:  # the norm checks the inputs itself
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), summed
+    check_inputs(x, residual, norm_weight)
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     summed = torch.empty(rows, width, dtype=x.dtype, device=x.device)
