@@ -1,11 +1,12 @@
 """Time persistent fused-MoE gate/up and down GEMMs at prefill sizes against the shipped kernels and cuBLAS.
 
-    python benchmarks/kernels/moe_prefill_variants.py
+    python benchmarks/kernels/moe_prefill_variants.py [--tokens 16384,8192,4096] [--ws-only]
 
-For 16384, 8192 and 4096 prompt tokens (64 experts, hidden 2048, inter 1408, top-6, bf16) it times
+For 16384, 8192 and 4096 prompt tokens (or --tokens) (64 experts, hidden 2048, inter 1408, top-6, bf16) it times
 the shipped moe_up / moe_down, cuBLAS on one dense GEMM of the same FLOPs as each, and the gather of
 x into block order; then persistent variants of both GEMMs: the tile loop flattened or not, and the
-gate/up's token rows gathered by pointer or pre-gathered and read by TMA. Each prints microseconds,
+gate/up's token rows gathered by pointer or pre-gathered and read by TMA, and Triton's automatic
+warp specialization of the tile loop (`ws`; --ws-only times just those against the shipped). Each prints microseconds,
 TF/s and the largest difference from the shipped kernel's output.
 """
 
@@ -32,11 +33,11 @@ from moeserve.ops.triton.tune_moe import make_inputs, make_weights, time_us  # n
 def _up_persistent(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens,
                    stride_xt, stride_at, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, X_TMA: tl.constexpr):
+                   NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, X_TMA: tl.constexpr, WS: tl.constexpr):
     num_m = tl.load(num_padded_ptr) // BLOCK_M
     num_n = tl.cdiv(INTER, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -65,10 +66,10 @@ def _up_persistent(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, num_pad
 def _down_persistent(act_desc, w_desc, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                      num_tokens, stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr):
     num_m = tl.load(num_padded_ptr) // BLOCK_M
     num_n = tl.cdiv(HIDDEN, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -101,7 +102,7 @@ def up_persistent(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, num_
                              plan.num_tokens, hidden.stride(0), act.stride(0), INTER=inter,
                              HIDDEN=hidden.shape[1], TOPK=plan.topk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                              GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=nprog,
-                             FLATTEN=cfg["flatten"], X_TMA=x_sorted is not None,
+                             FLATTEN=cfg["flatten"], X_TMA=x_sorted is not None, WS=cfg.get("ws", False),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return act
 
@@ -120,18 +121,50 @@ def down_persistent(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, num_pa
                                num_padded, plan.num_tokens, out.stride(0), INTER=act.shape[1],
                                HIDDEN=hidden_size, TOPK=plan.topk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=nprog, FLATTEN=cfg["flatten"],
+                               WS=cfg.get("ws", False),
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
+UP_VARIANTS = [  # BLOCK_N, BLOCK_K, warps, stages, GROUP_M, flatten, programs per SM, x by TMA, ws
+    (128, 64, 8, 3, 8, False, 1, False, False), (128, 64, 8, 3, 8, True, 1, False, False),
+    (128, 64, 8, 4, 8, True, 1, False, False), (128, 64, 8, 3, 8, True, 1, True, False),
+    (128, 64, 8, 4, 8, True, 1, True, False), (64, 64, 4, 4, 8, True, 2, False, False),
+    (64, 64, 4, 4, 8, True, 2, True, False),
+    (128, 64, 8, 3, 16, True, 1, False, False), (64, 128, 4, 3, 8, True, 2, False, False),
+    # Not flattened, 4 stages: token rows by pointer, then pre-gathered and read by TMA.
+    (128, 64, 8, 4, 8, False, 1, False, False), (128, 64, 8, 4, 8, False, 1, True, False),
+]
+UP_WS = [  # warp-specialized: every operand by TMA (x pre-gathered), or x rows by pointer
+    (128, 64, 8, 3, 8, True, 1, True, True), (128, 64, 8, 4, 8, True, 1, True, True),
+    (128, 64, 4, 3, 8, True, 1, True, True), (128, 64, 4, 4, 8, True, 1, True, True),
+    (128, 64, 8, 3, 8, True, 1, False, True),
+]
+DOWN_VARIANTS = [  # BLOCK_N, BLOCK_K, warps, stages, GROUP_M, flatten, programs per SM, ws
+    (256, 64, 8, 3, 8, False, 1, False), (256, 64, 8, 3, 8, True, 1, False), (256, 64, 8, 4, 8, True, 1, False),
+    (128, 64, 8, 4, 8, True, 1, False), (128, 64, 4, 4, 8, True, 2, False), (128, 128, 8, 3, 8, True, 1, False),
+    (256, 64, 8, 3, 16, True, 1, False),
+]
+DOWN_WS = [
+    (256, 64, 8, 3, 8, True, 1, True), (256, 64, 8, 4, 8, True, 1, True), (128, 64, 8, 4, 8, True, 1, True),
+    (128, 64, 4, 4, 8, True, 1, True), (256, 64, 4, 3, 8, True, 1, True), (128, 128, 8, 3, 8, True, 1, True),
+]
+
+
 def main() -> None:
-    """Run every measurement at 16384, 8192 and 4096 tokens and print it."""
+    """Run every measurement at the --tokens sizes and print it."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16384,8192,4096")
+    ap.add_argument("--ws-only", action="store_true", help="only the warp-specialized variants")
+    args = ap.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     experts, hidden_size, inter, topk = 64, 2048, 1408, 6
     weights = make_weights(experts, hidden_size, inter, torch.bfloat16, "cuda")
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    for tokens in (16384, 8192, 4096):
+    for tokens in [int(t) for t in args.tokens.split(",")]:
         inp = make_inputs(tokens, weights, topk)
         hidden, w13, w2 = inp["hidden"], inp["w13"], inp["w2"]
         config = get_config(hidden, w13, topk)
@@ -161,17 +194,9 @@ def main() -> None:
         print(f"  gather x to block order {t:.1f} us", flush=True)
         x_sorted = hidden.index_select(0, idx)
         ok = plan.sorted_ids < pairs
-        for bn, bk, warps, stages, gm, flat, mult, xt in [
-            (128, 64, 8, 3, 8, False, 1, False), (128, 64, 8, 3, 8, True, 1, False),
-            (128, 64, 8, 4, 8, True, 1, False), (128, 64, 8, 3, 8, True, 1, True),
-            (128, 64, 8, 4, 8, True, 1, True), (64, 64, 4, 4, 8, True, 2, False),
-            (64, 64, 4, 4, 8, True, 2, True),
-            (128, 64, 8, 3, 16, True, 1, False), (64, 128, 4, 3, 8, True, 2, False),
-            # Not flattened, 4 stages: token rows by pointer, then pre-gathered and read by TMA.
-            (128, 64, 8, 4, 8, False, 1, False), (128, 64, 8, 4, 8, False, 1, True),
-        ]:
+        for bn, bk, warps, stages, gm, flat, mult, xt, ws in UP_WS if args.ws_only else UP_VARIANTS + UP_WS:
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "GROUP_M": gm,
-                   "flatten": flat, "programs": sms * mult}
+                   "flatten": flat, "programs": sms * mult, "ws": ws}
             try:
                 xs = x_sorted if xt else None
                 act = up_persistent(hidden, w13, plan, num_padded, cfg, xs)
@@ -185,13 +210,9 @@ def main() -> None:
                 print(f"  up persistent {cfg} failed: {str(exc)[:200]}", flush=True)
         act_blk = up_persistent(hidden, w13, plan, num_padded, {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8,
                                 "num_stages": 3, "GROUP_M": 8, "flatten": False, "programs": sms})
-        for bn, bk, warps, stages, gm, flat, mult in [
-            (256, 64, 8, 3, 8, False, 1), (256, 64, 8, 3, 8, True, 1), (256, 64, 8, 4, 8, True, 1),
-            (128, 64, 8, 4, 8, True, 1), (128, 64, 4, 4, 8, True, 2), (128, 128, 8, 3, 8, True, 1),
-            (256, 64, 8, 3, 16, True, 1),
-        ]:
+        for bn, bk, warps, stages, gm, flat, mult, ws in DOWN_WS if args.ws_only else DOWN_VARIANTS + DOWN_WS:
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "GROUP_M": gm,
-                   "flatten": flat, "programs": sms * mult}
+                   "flatten": flat, "programs": sms * mult, "ws": ws}
             try:
                 out = down_persistent(act_blk, w2, plan, num_padded, cfg)
                 err = (out.float() - out_ref.float()).abs().max().item()
