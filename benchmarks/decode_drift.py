@@ -1,0 +1,97 @@
+"""How a latency run's decode steps change as it goes: graph replay time and routing at a few steps.
+
+    python benchmarks/decode_drift.py --model DIR_OR_CONFIG [--load-format dummy] [--batch-size 256] \
+        [--steps 1,32,96,160,224,250]
+
+A fresh engine (the suite's settings) runs one batch of random prompts. At each listed decode
+step the batch's decode graph is replayed five times on the inputs the step before staged (it
+recomputes that step, rewriting the same cache rows and tokens) and timed with CUDA events; then
+the step runs eagerly once with every router hooked, to count the distinct experts each layer
+touched and the busiest expert's tokens. Answers whether steps slow down as the context grows or
+as routing concentrates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+# Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import gpu_suite  # noqa: E402 - beside this script
+
+from moeserve import SamplingParams  # noqa: E402
+from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.engine.engine import EngineCore  # noqa: E402
+from moeserve.layers.moe import Router  # noqa: E402
+
+
+def replay_ms(core: EngineCore, batch_size: int, repeats: int = 5) -> float:
+    """Mean milliseconds of the decode graph for `batch_size` on the inputs staged last."""
+    graphs = core.runner.graphs
+    assert graphs is not None, "decode_drift needs CUDA graphs"
+    graph = graphs.graphs[graphs.padded_size(batch_size)]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def routed_step(core: EngineCore) -> list[tuple[int, int]]:
+    """One eager engine step with the routers hooked -> per MoE layer (distinct experts, busiest expert's tokens)."""
+    stats: list[tuple[int, int]] = []
+
+    def hook(module, _inputs, output) -> None:
+        ids = output[1][:, : module.config.num_experts_per_tok].reshape(-1).long()
+        counts = torch.bincount(ids, minlength=module.config.n_routed_experts)
+        stats.append((int((counts > 0).sum()), int(counts.max())))
+
+    model, graphs = core.runner.model, core.runner.graphs
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, Router)]
+    core.runner.graphs = None
+    try:
+        core.step()
+    finally:
+        core.runner.graphs = graphs
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--steps", default="1,32,96,160,224,250")
+    a = ap.parse_args()
+    core = gpu_suite.engine(a.model, load_format=a.load_format)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(a.batch_size, a.input_len, core.model_config.vocab_size, 0, "drift")):
+        core.add_request(f"d{i}", prompt, params)
+    marks, step = {int(s) for s in a.steps.split(",")}, 0
+    while core.has_unfinished_requests():
+        decoding = all(r.output_token_ids for r in core.requests.values())
+        if decoding and step in marks:
+            ms = replay_ms(core, a.batch_size)
+            stats = routed_step(core)
+            layers = max(1, len(stats))
+            print(f"decode step {step}: replay {ms:.3f} ms; experts touched {sum(s[0] for s in stats) / layers:.1f} "
+                  f"a layer, busiest expert {sum(s[1] for s in stats) / layers:.1f} tokens "
+                  f"(most in a layer {max((s[1] for s in stats), default=0)})", flush=True)
+        else:
+            core.step()
+        step += int(decoding)
+
+
+if __name__ == "__main__":
+    main()
