@@ -22,26 +22,12 @@ import torch
 # Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 import gpu_suite  # noqa: E402 - beside this script
+from ab_decode import time_replay  # noqa: E402 - beside this script
 
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 from moeserve.layers.moe import Router  # noqa: E402
-
-
-def replay_ms(core: EngineCore, batch_size: int, repeats: int = 5) -> float:
-    """Mean milliseconds of the decode graph for `batch_size` on the inputs staged last."""
-    graphs = core.runner.graphs
-    assert graphs is not None, "decode_drift needs CUDA graphs"
-    graph = graphs.graphs[graphs.padded_size(batch_size)]
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def routed_step(core: EngineCore) -> list[tuple[int, int]]:
@@ -82,7 +68,10 @@ def main() -> None:
     while core.has_unfinished_requests():
         decoding = all(r.output_token_ids for r in core.requests.values())
         if decoding and step in marks:
-            ms = replay_ms(core, a.batch_size)
+            graphs = core.runner.graphs
+            assert graphs is not None, "decode_drift needs CUDA graphs"
+            torch.cuda.synchronize()
+            ms = time_replay(core, graphs.padded_size(a.batch_size), replays=5, samples=1)
             stats = routed_step(core)
             layers = max(1, len(stats))
             print(f"decode step {step}: replay {ms:.3f} ms; experts touched {sum(s[0] for s in stats) / layers:.1f} "
