@@ -13,7 +13,6 @@ as routing concentrates.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -52,10 +51,7 @@ def routed_step(core: EngineCore) -> list[tuple[int, int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap = gpu_suite.workload_parser(__doc__)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--steps", default="1,32,96,160,224,250")
