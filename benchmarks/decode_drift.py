@@ -25,29 +25,19 @@ from ab_decode import time_replay  # noqa: E402 - beside this script
 
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.bench.roofline import routed_expert_loads  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
-from moeserve.layers.moe import Router  # noqa: E402
 
 
 def routed_step(core: EngineCore) -> list[tuple[int, int]]:
     """One eager engine step with the routers hooked -> per MoE layer (distinct experts, busiest expert's tokens)."""
-    stats: list[tuple[int, int]] = []
-
-    def hook(module, _inputs, output) -> None:
-        ids = output[1][:, : module.config.num_experts_per_tok].reshape(-1).long()
-        counts = torch.bincount(ids, minlength=module.config.n_routed_experts)
-        stats.append((int((counts > 0).sum()), int(counts.max())))
-
-    model, graphs = core.runner.model, core.runner.graphs
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, Router)]
-    core.runner.graphs = None
+    graphs, core.runner.graphs = core.runner.graphs, None
     try:
-        core.step()
+        with routed_expert_loads(core.runner.model) as loads:
+            core.step()
     finally:
         core.runner.graphs = graphs
-        for h in handles:
-            h.remove()
-    return stats
+    return [(int((load > 0).sum()), int(load.max())) for load in loads]
 
 
 def main() -> None:

@@ -69,20 +69,30 @@ def expert_bytes(model: DeepseekForCausalLM) -> int:
 
 
 @contextmanager
-def count_touched_experts(model: DeepseekForCausalLM) -> Iterator[list[int]]:
-    """Collects, per MoE layer of the next eager forward(s), how many distinct experts were hit."""
-    counts: list[int] = []
+def routed_expert_loads(model: DeepseekForCausalLM) -> Iterator[list[torch.Tensor]]:
+    """Collects, per MoE layer of the next eager forward(s), the tokens routed to each expert ([E])."""
+    loads: list[torch.Tensor] = []
 
     def hook(module, _inputs, output) -> None:
         routed = output[1][:, : module.config.num_experts_per_tok]  # not the appended shared experts
-        counts.append(int(routed.unique().numel()))
+        loads.append(torch.bincount(routed.reshape(-1).long(), minlength=module.config.n_routed_experts))
 
     handles = [m.register_forward_hook(hook) for m in model.model.modules() if isinstance(m, Router)]
     try:
-        yield counts
+        yield loads
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def count_touched_experts(model: DeepseekForCausalLM) -> Iterator[list[int]]:
+    """Collects, per MoE layer of the next eager forward(s), how many distinct experts were hit
+    (the list fills when the block ends)."""
+    counts: list[int] = []
+    with routed_expert_loads(model) as loads:
+        yield counts
+    counts.extend(int((load > 0).sum()) for load in loads)
 
 
 def decode_step_bytes(model: DeepseekForCausalLM, touched: list[int], kv_tokens: int, kv_bytes_per_token: int) -> dict:
