@@ -37,6 +37,11 @@ NORM_ROUTE_MAX_TOKENS = 16
 # b1 +4.4%, b2 +0.4%, b256 +0.4% (benchmarks/ab_decode.py, variant DUAL_STREAM_MAX_TOKENS=0).
 DUAL_STREAM_MIN_TOKENS = 8
 DUAL_STREAM_MAX_TOKENS = 192
+# From this many tokens the shared experts' down projection is one GEMM of K = S * I over a
+# joined copy of their weights (11.5 MB a V2-Lite layer) instead of S accumulating GEMMs of
+# K = I. cuBLAS on H200, S = 2: 60 -> 39 us at 1,024 tokens, 306 -> 278 at 16K, 2.52 -> 2.33 ms
+# at 131K (benchmarks/kernels/prefill_small_ops.py).
+JOINED_SHARED_DOWN_MIN_TOKENS = 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,17 +131,33 @@ class Experts(nn.Module):
         total = num_routed + num_shared
         self.w13_weight = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
+        self._shared_down: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def add_shared(self, x: torch.Tensor, base: torch.Tensor, in_place: bool = True) -> torch.Tensor:
         """base + the shared experts' output, through dense GEMMs on their stacked slices: written
-        into `base`, or with in_place False into a new tensor (the first down GEMM adds `base`)."""
+        into `base`, or with in_place False into a new tensor (the down GEMM adds `base`)."""
         e, s, inter = self.num_routed, self.num_shared, self.intermediate_size
         gate_up = F.linear(x, self.w13_weight[e:].reshape(s * 2 * inter, x.shape[1]))
-        act = ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s, inter)
+        act = ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s * inter)
+        if x.shape[0] >= JOINED_SHARED_DOWN_MIN_TOKENS:
+            down = self.shared_down_weight().t()
+            return base.addmm_(act, down) if in_place else torch.addmm(base, act, down)
+        act = act.view(x.shape[0], s, inter)
         out = base if in_place else torch.addmm(base, act[:, 0], self.w2_weight[e].t())
         for j in range(0 if in_place else 1, s):
             out.addmm_(act[:, j], self.w2_weight[e + j].t())
         return out
+
+    def shared_down_weight(self) -> torch.Tensor:
+        """The shared experts' down projections side by side, [H, S * I] (a copy, rebuilt whenever
+        w2_weight is written), so that their down projection is one GEMM of K = S * I."""
+        key = (self.w2_weight.data_ptr(), self.w2_weight._version)
+        if self._shared_down is None or self._shared_down[0] != key:
+            if self.w2_weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the shared experts' joined down weights must be built before graph capture")
+            shared = self.w2_weight[self.num_routed :]
+            self._shared_down = (key, shared.permute(1, 0, 2).reshape(shared.shape[1], -1))
+        return self._shared_down[1]
 
 
 class MoE(nn.Module):

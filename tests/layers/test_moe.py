@@ -35,11 +35,13 @@ def explicit_moe(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", ["v2", "v3"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, variant, tokens):
+@pytest.mark.parametrize("joined_from", [0, 10**6])  # the shared down as one GEMM, or one per expert
+def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, variant, tokens, joined_from):
     path = checkpoints[variant]
     model = load_model(ModelConfig.from_path(path), path, torch.float32, torch.device("cpu"))
     layer = next(m for m in model.modules() if isinstance(m, moe.MoE))
     assert layer.experts.num_shared >= 1
+    monkeypatch.setattr(moe, "JOINED_SHARED_DOWN_MIN_TOKENS", joined_from)
     x = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
     want = explicit_moe(layer, x)
     with torch.no_grad():
@@ -49,6 +51,21 @@ def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, varia
         separate = layer(x)
     torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(separate, want, rtol=1e-4, atol=1e-5)
+
+
+def test_joined_shared_down_weights_follow_writes_to_the_experts(checkpoints, monkeypatch):
+    """The joined copy is rebuilt after w2_weight changes in place (a reload), never served stale."""
+    path = checkpoints["v2"]
+    model = load_model(ModelConfig.from_path(path), path, torch.float32, torch.device("cpu"))
+    layer = next(m for m in model.modules() if isinstance(m, moe.MoE))
+    monkeypatch.setattr(moe, "FUSED_SHARED_MAX_TOKENS", 0)
+    x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = layer(x)
+        layer.experts.w2_weight[layer.experts.num_routed :].mul_(-2.0)
+        after = layer(x)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, explicit_moe(layer, x), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

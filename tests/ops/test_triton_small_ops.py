@@ -125,6 +125,17 @@ def test_silu_and_mul_matches_reference(dtype, strided):
     torch.testing.assert_close(got, ref_act.silu_and_mul(x), **tol(dtype))
 
 
+@pytest.mark.parametrize("rows_per_program,max_block", [(4, 16), (2, 64)])
+def test_silu_and_mul_tiles_cover_ragged_rows_and_columns(monkeypatch, rows_per_program, max_block):
+    """Row blocks past the last row and column blocks past the width are masked, none skipped."""
+    monkeypatch.setattr(tri_act, "ROWS", rows_per_program)
+    monkeypatch.setattr(tri_act, "MAX_BLOCK", max_block)
+    gen = torch.Generator().manual_seed(7)
+    x = rand(gen, 7, 2 * 40, dtype=torch.float32) * 4
+    poison_allocator(x.numel() * 4, DEVICE)
+    torch.testing.assert_close(tri_act.silu_and_mul(x), ref_act.silu_and_mul(x), **tol(x.dtype))
+
+
 def test_silu_and_mul_reference_is_the_formula():
     gen = torch.Generator().manual_seed(6)
     x = rand(gen, 3, 2, 10, device="cpu")
