@@ -37,11 +37,13 @@ NORM_ROUTE_MAX_TOKENS = 16
 # b1 +4.4%, b2 +0.4%, b256 +0.4% (benchmarks/ab_decode.py, variant DUAL_STREAM_MAX_TOKENS=0).
 DUAL_STREAM_MIN_TOKENS = 8
 DUAL_STREAM_MAX_TOKENS = 192
-# From this many tokens the shared experts' down projection is one GEMM of K = S * I over a
-# joined copy of their weights (11.5 MB a V2-Lite layer) instead of S accumulating GEMMs of
-# K = I. cuBLAS on H200, S = 2: 60 -> 39 us at 1,024 tokens, 306 -> 278 at 16K, 2.52 -> 2.33 ms
-# at 131K (benchmarks/kernels/prefill_small_ops.py).
-JOINED_SHARED_DOWN_MIN_TOKENS = 0
+# The shared experts' down projection is one GEMM of K = S * I over a joined copy of their
+# weights (11.5 MB a V2-Lite layer) instead of S accumulating GEMMs of K = I, except in this
+# token range. cuBLAS on H200, S = 2: 60 -> 39 us at 1,024 tokens, 306 -> 278 at 16K, 2.52 ->
+# 2.33 ms at 131K (benchmarks/kernels/prefill_small_ops.py); decode-graph replay on the second
+# stream b8 -2.2%, b32 -1.1%, b64 -0.7%, but b128 +0.7%, b192 +0.1% (benchmarks/ab_decode.py).
+SPLIT_SHARED_DOWN_MIN_TOKENS = 128
+SPLIT_SHARED_DOWN_MAX_TOKENS = 192
 
 
 @functools.lru_cache(maxsize=8)
@@ -139,7 +141,7 @@ class Experts(nn.Module):
         e, s, inter = self.num_routed, self.num_shared, self.intermediate_size
         gate_up = F.linear(x, self.w13_weight[e:].reshape(s * 2 * inter, x.shape[1]))
         act = ops.silu_and_mul(gate_up.view(-1, 2 * inter)).view(x.shape[0], s * inter)
-        if x.shape[0] >= JOINED_SHARED_DOWN_MIN_TOKENS:
+        if not SPLIT_SHARED_DOWN_MIN_TOKENS <= x.shape[0] <= SPLIT_SHARED_DOWN_MAX_TOKENS:
             down = self.shared_down_weight().t()
             return base.addmm_(act, down) if in_place else torch.addmm(base, act, down)
         act = act.view(x.shape[0], s, inter)

@@ -35,13 +35,13 @@ def explicit_moe(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", ["v2", "v3"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-@pytest.mark.parametrize("joined_from", [0, 10**6])  # the shared down as one GEMM, or one per expert
-def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, variant, tokens, joined_from):
+@pytest.mark.parametrize("split_from", [10**6, 0])  # the shared down as one GEMM, or one per expert
+def test_fused_and_separate_shared_experts_agree(checkpoints, monkeypatch, variant, tokens, split_from):
     path = checkpoints[variant]
     model = load_model(ModelConfig.from_path(path), path, torch.float32, torch.device("cpu"))
     layer = next(m for m in model.modules() if isinstance(m, moe.MoE))
     assert layer.experts.num_shared >= 1
-    monkeypatch.setattr(moe, "JOINED_SHARED_DOWN_MIN_TOKENS", joined_from)
+    monkeypatch.setattr(moe, "SPLIT_SHARED_DOWN_MIN_TOKENS", split_from)
     x = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
     want = explicit_moe(layer, x)
     with torch.no_grad():
