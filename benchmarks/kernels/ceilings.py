@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.bench.roofline import _time_ms, matmul_tflops, read_bandwidth_gbs
+from moeserve.bench.roofline import matmul_tflops, read_bandwidth_gbs, time_ms
 
-__all__ = ["_time_ms", "matmul_tflops", "measure", "read_bandwidth_gbs"]
+__all__ = ["time_ms", "matmul_tflops", "measure", "read_bandwidth_gbs"]
 
 
 def measure() -> dict:

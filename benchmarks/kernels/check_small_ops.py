@@ -23,7 +23,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 
-from ceilings import _time_ms, measure  # noqa: E402
+from ceilings import measure, time_ms  # noqa: E402
 
 from moeserve.ops.reference import activation as ref_act  # noqa: E402
 from moeserve.ops.reference import norm as ref_norm  # noqa: E402
@@ -160,7 +160,7 @@ def reference_us(calls: list[Callable[[], object]], reps: int) -> float:
     except RuntimeError as exc:
         print(f"  reference not capturable ({str(exc).splitlines()[0]}); timing it eagerly", flush=True)
         torch.cuda.synchronize()
-        return _time_ms(lambda: [call() for call in calls]) * 1e3 / len(calls)
+        return time_ms(lambda: [call() for call in calls]) * 1e3 / len(calls)
 
 
 def copies(nbytes: int) -> int:

@@ -16,22 +16,8 @@ import json
 
 import torch
 
+from moeserve.bench.roofline import time_ms
 from moeserve.ops.triton import activation
-
-
-def _time(fn, reps: int) -> float:
-    """Median milliseconds of `fn` over `reps` runs, CUDA events around each."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def silu_rows(tokens: int, shared: int, inter: int, reps: int) -> list[dict]:
@@ -43,7 +29,7 @@ def silu_rows(tokens: int, shared: int, inter: int, reps: int) -> list[dict]:
         activation.MAX_BLOCK, activation.ROWS = block, per_program
         try:
             torch.testing.assert_close(activation.silu_and_mul(x), reference, rtol=0, atol=0)
-            ms = _time(lambda: activation.silu_and_mul(x), reps)
+            ms = time_ms(lambda: activation.silu_and_mul(x), reps)
         finally:
             activation.MAX_BLOCK, activation.ROWS = shipped
         moved = x.numel() * 2 * 1.5  # read gate and up, write half as many
@@ -72,7 +58,7 @@ def shared_down_rows(tokens: int, shared: int, inter: int, hidden: int, reps: in
     rows = []
     variants = (("separate", separate), ("joined", joined))
     for name, fn in variants[::-1] if reverse else variants:  # both orders: clocks settle
-        ms = _time(lambda fn=fn: fn(base), reps)
+        ms = time_ms(lambda fn=fn: fn(base), reps)
         rows.append({"op": "shared_down", "variant": name, "tokens": tokens, "ms": round(ms, 4),
                      "tflop_s": round(flops / ms / 1e9, 1)})
     return rows

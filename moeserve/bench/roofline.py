@@ -11,7 +11,7 @@ from moeserve.layers.moe import MoE, Router
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 
-def _time_ms(fn, iters: int = 20) -> float:
+def time_ms(fn, iters: int = 20) -> float:
     """Median milliseconds of `fn` over `iters` runs, with CUDA events, after a warm-up."""
     fn()
     torch.cuda.synchronize()
@@ -29,7 +29,7 @@ def _time_ms(fn, iters: int = 20) -> float:
 def read_bandwidth_gbs(gib: float = 4.0) -> float:
     """GB/s (1e9) reading a large buffer once (a sum): the decode roofline's denominator."""
     x = torch.randn(int(gib * 2**30 / 2), dtype=torch.bfloat16, device="cuda")
-    ms = _time_ms(lambda: x.sum(dtype=torch.float32))
+    ms = time_ms(lambda: x.sum(dtype=torch.float32))
     return x.numel() * 2 / ms / 1e6
 
 
@@ -37,7 +37,7 @@ def matmul_tflops(n: int = 8192) -> float:
     """TFLOP/s of an n^3 bf16 matmul on random data."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    ms = _time_ms(lambda: a @ b, iters=10)
+    ms = time_ms(lambda: a @ b, iters=10)
     return 2 * n**3 / ms / 1e9
 
 
