@@ -1,7 +1,7 @@
 """Prompt-step helpers around the shared experts: SiLU-and-mul block sizes and the down GEMM's shape.
 
 At prompt sizes the shared experts run as cuBLAS GEMMs with a Triton SiLU-and-mul between them.
-This times, on V2-Lite's shapes, (a) the SiLU kernel at several BLOCK sizes against its bytes and
+This times, on V2-Lite's shapes, (a) the SiLU kernel at several MAX_BLOCK sizes against its bytes and
 (b) the shared experts' down projection as S GEMMs of K = I accumulating into the output (as
 `Experts.add_shared` ran them) against one GEMM of K = S * I over the experts' concatenated
 weights. Prints JSON rows.
@@ -21,20 +21,20 @@ from moeserve.ops.triton import activation
 
 
 def silu_rows(tokens: int, shared: int, inter: int, reps: int) -> list[dict]:
-    """SiLU-and-mul over the shared experts' gate/up output at each (MAX_BLOCK, ROWS)."""
+    """SiLU-and-mul over the shared experts' gate/up output at each MAX_BLOCK."""
     x = torch.randn(tokens * shared, 2 * inter, dtype=torch.bfloat16, device="cuda")
     reference = activation.silu_and_mul(x)
-    rows, shipped = [], (activation.MAX_BLOCK, activation.ROWS)
-    for block, per_program in ((1024, 1), (2048, 1), (4096, 1), (2048, 2), (2048, 4), (1024, 4)):
-        activation.MAX_BLOCK, activation.ROWS = block, per_program
+    rows, shipped = [], activation.MAX_BLOCK
+    for block in (1024, 2048, 4096):
+        activation.MAX_BLOCK = block
         try:
             torch.testing.assert_close(activation.silu_and_mul(x), reference, rtol=0, atol=0)
             ms = time_ms(lambda: activation.silu_and_mul(x), reps)
         finally:
-            activation.MAX_BLOCK, activation.ROWS = shipped
+            activation.MAX_BLOCK = shipped
         moved = x.numel() * 2 * 1.5  # read gate and up, write half as many
-        rows.append({"op": "silu_and_mul", "tokens": tokens, "max_block": block, "rows": per_program,
-                     "ms": round(ms, 4), "tb_s": round(moved / ms / 1e9, 3)})
+        rows.append({"op": "silu_and_mul", "tokens": tokens, "max_block": block, "ms": round(ms, 4),
+                     "tb_s": round(moved / ms / 1e9, 3)})
     return rows
 
 

@@ -125,10 +125,9 @@ def test_silu_and_mul_matches_reference(dtype, strided):
     torch.testing.assert_close(got, ref_act.silu_and_mul(x), **tol(dtype))
 
 
-@pytest.mark.parametrize("rows_per_program,max_block", [(4, 16), (2, 64)])
-def test_silu_and_mul_tiles_cover_ragged_rows_and_columns(monkeypatch, rows_per_program, max_block):
-    """Row blocks past the last row and column blocks past the width are masked, none skipped."""
-    monkeypatch.setattr(tri_act, "ROWS", rows_per_program)
+@pytest.mark.parametrize("max_block", [16, 64])
+def test_silu_and_mul_blocks_cover_ragged_columns(monkeypatch, max_block):
+    """Several column blocks a row, the last past the width masked, none skipped."""
     monkeypatch.setattr(tri_act, "MAX_BLOCK", max_block)
     gen = torch.Generator().manual_seed(7)
     x = rand(gen, 7, 2 * 40, dtype=torch.float32) * 4

@@ -1,8 +1,9 @@
 """Triton SiLU-and-mul: the SwiGLU gate of the MLPs, silu(x[:, :I]) * x[:, I:] -> [T, I].
 
-A program takes ROWS rows and up to MAX_BLOCK columns of each: at prompt sizes (millions of
-rows of the shared experts' 1,408 columns) a program per 1,024 columns ran at 2.9 TB/s on an
-H200, one covering the whole row (2,048 lanes, a third idle) at 4.0.
+A program covers one row's columns up to MAX_BLOCK: at prompt sizes (millions of rows of the
+shared experts' 1,408 columns) a program per 1,024 columns ran at 2.9 TB/s on an H200, one
+covering the whole row (2,048 lanes, a third idle) at 3.9; two or four rows a program, or 4,096
+lanes, were no faster (benchmarks/kernels/prefill_small_ops.py at e00afc7).
 """
 
 from __future__ import annotations
@@ -14,22 +15,19 @@ import triton.language as tl
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 MAX_BLOCK = 2048  # columns a program covers at most (a power of two)
-ROWS = 1  # rows a program covers
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, rows, inter,
-                         ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, column block): ROWS x BLOCK outputs."""
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, block): BLOCK outputs of one row."""
     wait_for_prior_grid(PDL)
-    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (r[:, None] < rows) & (cols[None, :] < inter)
-    src = x_ptr + r[:, None] * stride_x + cols[None, :]
-    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + r[:, None] * inter + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -45,8 +43,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     if rows and inter:
         block = min(MAX_BLOCK, triton.next_power_of_2(inter))
-        grid = (triton.cdiv(rows, ROWS), triton.cdiv(inter, block))
-        warps = 4 if ROWS * block <= 2048 else 8
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), rows, inter, ROWS=ROWS, BLOCK=block,
-                                   num_warps=warps, **pdl_launch(x2))
+        grid = (rows, triton.cdiv(inter, block))
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4, **pdl_launch(x2))
     return out
