@@ -37,7 +37,7 @@ def main() -> None:
             assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), rows
         line = f"rows {rows:4d}: torch {graph_us([lambda x=x: x.argmax(dim=-1) for x in xs]):6.1f}"
         for block in [int(b) for b in a.blocks.split(",")]:
-            line += f"  triton/{block} {graph_us([lambda x=x, b=block: argmax_rows(x, b) for x in xs]):6.1f}"
+            line += f"  triton/{block} {graph_us([lambda x=x, b=block: argmax_rows(x, block=b) for x in xs]):6.1f}"
         print(line + " us", flush=True)
 
 

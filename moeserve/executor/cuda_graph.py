@@ -20,7 +20,6 @@ import torch
 from moeserve import ops
 from moeserve.cache.kv_cache import MLAKVCache
 from moeserve.core.batch import ForwardBatch
-from moeserve.executor.sampling_io import resolve_placeholders
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ class CudaGraphRunner:
         self.sizes = sizes
         self.max_bs = sizes[-1]
         n = self.max_bs
-        # Raw ids: placeholders for last step's samples are resolved inside the graph.
+        # Staged ids may be placeholders for last step's samples; unpacking resolves them.
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
@@ -134,12 +133,12 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> None:
         fb = self._batch(bs)
-        ops.unpack_decode_inputs(self.staged, bs, fb.input_ids, fb.positions, fb.slot_mapping, fb.seq_lens_t, fb.block_table)
-        ids = resolve_placeholders(fb.input_ids, self.future_tokens)
-        hidden = self.model(ids, fb.positions, fb)
+        ops.unpack_decode_inputs(self.staged, bs, fb.input_ids, fb.positions, fb.slot_mapping, fb.seq_lens_t,
+                                 fb.block_table, self.future_tokens)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
         torch.mm(hidden, self.model.lm_head.weight.t(), out=self.logits[:bs])  # what nn.Linear runs, in place
         # Greedy rows need nothing more: their tokens come out of the graph with the logits.
-        self.greedy_ids[:bs].copy_(ops.argmax_rows(self.logits[:bs]))
+        ops.argmax_rows(self.logits[:bs], out=self.greedy_ids[:bs])
 
     @torch.inference_mode()
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:

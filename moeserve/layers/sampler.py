@@ -7,6 +7,7 @@ or on the device, so the same seed gives the same output.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -45,20 +46,29 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, k]
     ready: torch.cuda.Event | None = None
 
-    def to_host(self) -> SamplerOutput:
-        """Start copying every tensor to (pinned) host memory; `wait` before reading them."""
+    def to_host(self, stream: torch.cuda.Stream | None = None) -> SamplerOutput:
+        """Start copying every tensor to (pinned) host memory; `wait` before reading them.
+
+        With `stream` the copies run there once the current stream's work so far is done, so
+        the current stream's next work does not queue behind them.
+        """
         if not self.token_ids.is_cuda:
             return self
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
 
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if stream is not None:
+                t.record_stream(stream)  # not reused by the allocator before the copy has read it
             return host.copy_(t, non_blocking=True)
 
-        out = SamplerOutput(copy(self.token_ids), copy(self.logprobs), copy(self.top_ids), copy(self.top_logprobs))
-        out.ready = torch.cuda.Event()
-        out.ready.record()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            out = SamplerOutput(copy(self.token_ids), copy(self.logprobs), copy(self.top_ids), copy(self.top_logprobs))
+            out.ready = torch.cuda.Event()
+            out.ready.record()
         return out
 
     def wait(self) -> None:

@@ -45,6 +45,25 @@ def test_kernel_matches_reference_and_touches_only_staged_entries(rows, width):
     assert (table[:rows, :width] == parts[4]).all() and (table[rows:] == -7).all() and (table[:, width:] == -7).all()
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_placeholders_are_resolved_from_the_future_tokens(rows):
+    rng = np.random.default_rng(rows)
+    staged, parts = staged_step(rng, rows, 4)
+    # 2 parities x 30 rows, as the runner keeps them; placeholders -1 - i pick flat entry i.
+    future = torch.from_numpy(rng.integers(0, 10**6, (2, 30))).to(DEVICE)
+    ids = parts[0].copy()
+    ids[::2] = -1 - rng.integers(0, 60, len(ids[::2]))
+    flat = np.concatenate([[4], ids, *parts[1:4], parts[4].ravel()]).astype(np.int32)
+    staged = torch.from_numpy(flat).to(DEVICE)
+    want, got = outputs(8, 8), outputs(8, 8)
+    reference(staged, rows, *want, future_tokens=future)
+    kernel(staged, rows, *got, future_tokens=future)
+    expected = np.where(ids < 0, future.cpu().numpy().ravel()[np.clip(-ids - 1, 0, None)], ids)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+    assert (want[0][:rows].cpu().numpy() == expected).all() and (want[0][rows:] == -7).all()
+
+
 def test_kernel_rejects_wrong_dtypes():
     staged, _ = staged_step(np.random.default_rng(0), 2, 2)
     bufs = outputs(4, 4)

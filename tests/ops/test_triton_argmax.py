@@ -22,7 +22,7 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_matches_torch_argmax_on_random_rows(rows, dtype):
     x = _logits(rows, VOCAB, dtype, seed=rows)
-    assert torch.equal(argmax_rows(x, BLOCK), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x, block=BLOCK), x.argmax(dim=-1))
 
 
 def test_ties_take_the_first_index_across_and_inside_chunks():
@@ -31,7 +31,7 @@ def test_ties_take_the_first_index_across_and_inside_chunks():
     x[1, BLOCK + 1] = x[1, BLOCK + 2] = 50.0  # inside one chunk
     x[2] = 0.0  # all equal
     x[3, 10] = float("nan")  # NaN wins, as in torch
-    got = argmax_rows(x, BLOCK)
+    got = argmax_rows(x, block=BLOCK)
     assert got.tolist() == [3, BLOCK + 1, 0, 10]
     assert torch.equal(got, x.argmax(dim=-1))
 
@@ -40,17 +40,28 @@ def test_vocab_not_a_multiple_of_the_block_and_strided_rows():
     wide = _logits(3, VOCAB + 100, torch.bfloat16, seed=3)
     x = wide[:, 50 : 50 + VOCAB - 7]  # rows strided, vocab ragged
     x[1, -1] = 60.0
-    got = argmax_rows(x, BLOCK)
+    got = argmax_rows(x, block=BLOCK)
     assert torch.equal(got, x.argmax(dim=-1)) and got[1].item() == VOCAB - 8
 
 
 def test_counters_are_reset_for_the_next_call():
     for seed in range(3):
         x = _logits(2, VOCAB, torch.bfloat16, seed=seed)
-        assert torch.equal(argmax_rows(x, BLOCK), x.argmax(dim=-1))
+        assert torch.equal(argmax_rows(x, block=BLOCK), x.argmax(dim=-1))
     assert int(argmax._counters(torch.device(DEVICE)).abs().sum()) == 0
 
 
 def test_rejects_a_non_matrix():
     with pytest.raises(ValueError, match="rows, vocab"):
         argmax_rows(torch.zeros(3, device=DEVICE))
+
+
+def test_writes_into_out_contiguous_or_strided():
+    x = _logits(6, VOCAB, torch.bfloat16, seed=11)
+    out = torch.full((6,), -1, dtype=torch.int64, device=DEVICE)
+    assert argmax_rows(x, out=out, block=BLOCK) is out and torch.equal(out, x.argmax(dim=-1))
+    pairs = torch.full((6, 2), -1, dtype=torch.int64, device=DEVICE)
+    argmax_rows(x, out=pairs[:, 1], block=BLOCK)  # strided: the torch fallback writes it
+    assert torch.equal(pairs[:, 1], x.argmax(dim=-1)) and (pairs[:, 0] == -1).all()
+    with pytest.raises(ValueError, match="out must be int64"):
+        argmax_rows(x, out=out[:5], block=BLOCK)

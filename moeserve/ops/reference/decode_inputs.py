@@ -13,17 +13,24 @@ def unpack_decode_inputs(
     slot_mapping: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
+    future_tokens: torch.Tensor | None = None,
 ) -> None:
     """Copy a staged step into the decode buffers, reading the table width from the buffer.
 
     `staged` (int32) holds [width, ids[rows], positions[rows], slots[rows], seq_lens[rows],
     table[rows, width]]; the first `rows` entries of each output (and `width` columns of the
     table) are written, int64 outputs widened. The width is read on the device so that a CUDA
-    graph captured once serves tables of every width.
+    graph captured once serves tables of every width. With `future_tokens`, an id -1 - i is a
+    placeholder for entry i of that flat buffer (a token the previous step sampled) and is replaced
+    by it, so the graph needs no launches of its own to resolve them.
     """
     width = int(staged[0])
     body = staged[1 : 1 + 4 * rows].view(4, rows)
     for k, out in enumerate((input_ids, positions, slot_mapping, seq_lens)):
         out[:rows].copy_(body[k])
+    if future_tokens is not None:
+        ids = input_ids[:rows]
+        picked = future_tokens.reshape(-1)[(-ids - 1).clamp(min=0)]
+        ids.copy_(torch.where(ids < 0, picked, ids))
     start = 1 + 4 * rows
     block_table[:rows, :width].copy_(staged[start : start + rows * width].view(rows, width))

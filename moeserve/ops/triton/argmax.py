@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.reference.argmax import check_out
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 MAX_ROWS = 8192  # counters kept per device; more rows fall back to torch.argmax
@@ -68,16 +69,19 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, counter_ptr,
         tl.store(out_ptr + row, winner.to(tl.int64))
 
 
-def argmax_rows(logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """int64 [rows]: each row's first maximum, as logits.argmax(dim=-1)."""
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
+    """int64 [rows]: each row's first maximum, as logits.argmax(dim=-1), into `out` when given."""
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"argmax_rows: logits must be [rows, vocab] with vocab > 0, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    if rows == 0 or rows > MAX_ROWS or logits.stride(1) != 1:
-        return logits.argmax(dim=-1)
+    check_out(out, rows)
+    if rows == 0 or rows > MAX_ROWS or logits.stride(1) != 1 or (out is not None and out.stride(0) != 1):
+        result = logits.argmax(dim=-1)
+        return result if out is None else out.copy_(result)
     chunks = triton.cdiv(vocab, block)
     pad = max(2, triton.next_power_of_2(chunks))
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     part_val = torch.empty(rows, pad, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, pad, dtype=torch.int32, device=logits.device)
     _argmax_kernel[(chunks, rows)](
