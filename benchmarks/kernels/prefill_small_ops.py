@@ -1,11 +1,10 @@
-"""Prompt-step small ops: SiLU-and-mul block sizes, the shared down GEMM's shape, MLA token prep.
+"""Prompt-step helpers around the shared experts: SiLU-and-mul block sizes and the down GEMM's shape.
 
 At prompt sizes the shared experts run as cuBLAS GEMMs with a Triton SiLU-and-mul between them.
-This times, on V2-Lite's shapes, (a) the SiLU kernel at several MAX_BLOCK sizes against its bytes,
+This times, on V2-Lite's shapes, (a) the SiLU kernel at several MAX_BLOCK sizes against its bytes and
 (b) the shared experts' down projection as S GEMMs of K = I accumulating into the output (as
 `Experts.add_shared` ran them) against one GEMM of K = S * I over the experts' concatenated
-weights, and (c) the MLA token prep (latent norm, rotary, cache store) at several tokens per
-program against its bytes. Prints JSON rows.
+weights. Prints JSON rows.
 
     python benchmarks/kernels/prefill_small_ops.py --tokens 1024 16384 131072
 """
@@ -18,7 +17,7 @@ import json
 import torch
 
 from moeserve.bench.roofline import time_ms
-from moeserve.ops.triton import activation, rope_store
+from moeserve.ops.triton import activation
 
 
 def silu_rows(tokens: int, shared: int, inter: int, reps: int) -> list[dict]:
@@ -65,41 +64,6 @@ def shared_down_rows(tokens: int, shared: int, inter: int, hidden: int, reps: in
     return rows
 
 
-def mla_prep_rows(tokens: int, heads: int, rank: int, rope: int, reps: int) -> list[dict]:
-    """mla_rope_norm_store at 1 (decode's layout) and more tokens per program, same outputs."""
-    q = torch.randn(tokens, heads, 128 + rope, dtype=torch.bfloat16, device="cuda")
-    kv = torch.randn(tokens, rank + rope, dtype=torch.bfloat16, device="cuda")
-    weight = torch.rand(rank, device="cuda").to(torch.bfloat16) + 0.5
-    positions = torch.arange(tokens, device="cuda") % 1024
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rope, 2, device="cuda").float() / rope)
-    cache = torch.zeros(tokens // 16 + 2, 16, rank + rope, dtype=torch.bfloat16, device="cuda")
-    slots = torch.arange(16, tokens + 16, device="cuda")
-
-    def run() -> tuple[torch.Tensor, ...]:
-        q_rope = q[..., 128:]
-        return rope_store.mla_rope_norm_store(positions, q_rope, kv, weight, 1e-6, inv_freq, 1.0, False, cache, slots)
-
-    # kv row read; latent + k_rope written twice (tensor and cache); q_rope read and written
-    moved = tokens * ((rank + rope) * 2 * 3 + heads * rope * 2 * 2)
-    rows, shipped = [], (rope_store.BLOCK_TOKENS, rope_store.BLOCK_TOKENS_MIN_TOKENS)
-    reference, q_start = None, q.clone()
-    for block in (1, 4, 8, 16):
-        rope_store.BLOCK_TOKENS, rope_store.BLOCK_TOKENS_MIN_TOKENS = block, 1
-        try:
-            q.copy_(q_start)  # each check from the same q: timing rotates it in place
-            outs = [t.clone() for t in run()] + [q.clone(), cache.clone()]
-            if reference is None:
-                reference = outs
-            for got, want in zip(outs, reference, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # reductions may order differently
-            ms = time_ms(run, reps)  # rotates q in place each call: the time does not care
-        finally:
-            rope_store.BLOCK_TOKENS, rope_store.BLOCK_TOKENS_MIN_TOKENS = shipped
-        rows.append({"op": "mla_prep", "tokens": tokens, "tokens_per_program": block, "ms": round(ms, 4),
-                     "tb_s": round(moved / ms / 1e9, 3)})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 16384, 131072])
@@ -111,8 +75,6 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         rows += silu_rows(tokens, args.shared, args.inter, args.reps)
-    for tokens in args.tokens:
-        rows += mla_prep_rows(tokens, 16, 512, 64, args.reps)
     for tokens in args.tokens:
         for reverse in (False, True):
             rows += shared_down_rows(tokens, args.shared, args.inter, args.hidden, args.reps, reverse)

@@ -233,27 +233,6 @@ def test_mla_rope_norm_store_odd_sizes(interleaved):
         torch.testing.assert_close(g, w, **tol(torch.float32))
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_rope_norm_store_token_blocks(interleaved, dtype, monkeypatch):
-    """The prompt-size path (blocks of tokens a program): a ragged last block, more heads than
-    one head block, and a token whose negative slot skips the cache."""
-    monkeypatch.setattr(tri_rope, "BLOCK_TOKENS_MIN_TOKENS", 1)
-    gen = torch.Generator().manual_seed(13 + interleaved)
-    args = rope_inputs(gen, tri_rope.BLOCK_TOKENS + 3, 20, 4, 24, 12, dtype, 2, dtype)
-    slots = args[-1]
-    before = args[5].clone()
-    slots[2] = -1
-    (got, got_q, got_cache), (want, want_q, _) = run_both((*args[:-1], slots), 4, interleaved)
-    for g, w in zip((*got, got_q), (*want, want_q), strict=True):
-        torch.testing.assert_close(g, w, **tol(dtype))
-    flat, kept = got_cache.view(-1, 36), slots[slots >= 0]
-    torch.testing.assert_close(flat[kept], torch.cat(got, -1)[slots >= 0].to(flat.dtype), **tol(dtype))
-    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
-    untouched[kept] = False
-    assert torch.equal(flat[untouched], before.view(-1, 36)[untouched])
-
-
 def test_mla_rope_norm_store_mixed_dtypes_and_negative_slots():
     gen = torch.Generator().manual_seed(11)
     q, kv, weight, positions, inv_freq, cache, slots = rope_inputs(gen, 4, 2, 8, 16, 8, torch.bfloat16, 4, torch.float32)
@@ -364,20 +343,6 @@ def test_gpu_mla_rope_norm_store_at_model_shapes(cache_dtype, kv_scale, interlea
     gen = torch.Generator().manual_seed(heads + page_size)
     args = rope_inputs(gen, 133, heads, 128, 512, 64, torch.bfloat16, page_size, cache_dtype, device="cuda")
     (got, got_q, got_cache), (want, want_q, want_cache) = run_both(args, 128, interleaved, kv_scale=kv_scale)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, **tol(torch.bfloat16))
-    torch.testing.assert_close(got_q, want_q, **tol(torch.bfloat16))
-    assert_cache_close(got_cache, want_cache, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype,kv_scale", [(torch.bfloat16, 1.0), (FP8, 0.05)])
-@pytest.mark.parametrize("heads,tokens", [(16, 5003), (128, 2048)])
-def test_gpu_mla_rope_norm_store_token_blocks_at_prompt_sizes(cache_dtype, kv_scale, heads, tokens):
-    assert tokens >= tri_rope.BLOCK_TOKENS_MIN_TOKENS  # the blocked path, unpatched
-    gen = torch.Generator().manual_seed(tokens)
-    args = rope_inputs(gen, tokens, heads, 128, 512, 64, torch.bfloat16, 16, cache_dtype, device="cuda")
-    (got, got_q, got_cache), (want, want_q, want_cache) = run_both(args, 128, False, kv_scale=kv_scale)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **tol(torch.bfloat16))
     torch.testing.assert_close(got_q, want_q, **tol(torch.bfloat16))

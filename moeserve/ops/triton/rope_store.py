@@ -1,6 +1,6 @@
 """Triton MLA token preparation: latent RMSNorm, rotary on q_rope and k_rope, paged-cache store.
 
-Two programs per token (per block of tokens at prompt sizes) read kv_a's output row once, write the normalised latent and the rotated
+Two programs per token read kv_a's output row once, write the normalised latent and the rotated
 rotary key both to the returned tensors and to the token's cache slot (scaled and saturated when
 the cache is FP8), and rotates the token's q_rope heads in place. Rotary rows move as whole
 contiguous rows and are taken apart into pairs in registers. cos/sin come from
@@ -39,10 +39,6 @@ _HEAD_BLOCK = tl.constexpr(16)  # q_rope heads rotated per step: bounds register
 FUSED_ABSORB_MIN_ROWS = 2
 FUSED_ABSORB_MAX_ROWS = 256
 ABSORB_BLOCK_C = 64  # latent columns per absorbing program
-# Prompt-size steps give each program a block of tokens: one program per token and part was
-# latency-bound, 0.49 ms a layer at 131,072 tokens against about 0.2 ms of bytes (H200).
-BLOCK_TOKENS_MIN_TOKENS = 2048
-BLOCK_TOKENS = 8
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -150,75 +146,19 @@ def _absorb_rows(
              acc.to(q_lat_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
 
 
-@triton.jit
-def _prep_token_block(
-    part, first, num_tokens, pos_ptr, q_ptr, kv_ptr, w_ptr, inv_freq_ptr, cache_ptr, slot_ptr, latent_ptr, k_rope_ptr,
-    stride_qt, stride_qh, stride_kv, stride_slot, eps, magnitude, kv_scale,
-    HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr, TOKENS: tl.constexpr,
-):
-    """One part (0 latent, 1 rotary key and q_rope) of TOKENS tokens from `first`, as 2-D tiles."""
-    tok = first + tl.arange(0, TOKENS).to(tl.int64)
-    tok_ok = tok < num_tokens
-    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
-    in_cache = (slot >= 0)[:, None]
-    cache_rows = cache_ptr + slot[:, None] * stride_slot
-    cache_dtype = cache_ptr.dtype.element_ty
-    if part == 0:
-        cols = tl.arange(0, BLOCK_RANK)
-        row_mask = tok_ok[:, None] & (cols < RANK)[None, :]
-        x = tl.load(kv_ptr + tok[:, None] * stride_kv + cols[None, :], mask=row_mask, other=0.0)
-        w = tl.load(w_ptr + cols, mask=cols < RANK, other=0.0).to(tl.float32)
-        xf = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / RANK + eps)
-        # Rounded as normalize_row (and the reference) rounds: the normalised row, then times w.
-        latent = ((xf * inv_rms[:, None]).to(x.dtype).to(tl.float32) * w[None, :]).to(x.dtype)
-        tl.store(latent_ptr + tok[:, None] * RANK + cols[None, :], latent, mask=row_mask)
-        tl.store(cache_rows + cols[None, :], _to_cache(latent, kv_scale, CACHE_FP8, cache_dtype),
-                 mask=row_mask & in_cache)
-    else:  # (no name may be bound in both branches with different shapes: Triton merges them)
-        half: tl.constexpr = ROPE // 2
-        pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0)
-        cos, sin = _cos_sin(pos[:, None], inv_freq_ptr, magnitude, half, BLOCK_HALF)
-        offs, ok = _rope_columns(INTERLEAVED, half, BLOCK_HALF)
-        key_mask = tok_ok[:, None] & ok[None, :]
-        k = tl.load(kv_ptr + tok[:, None] * stride_kv + RANK + offs[None, :], mask=key_mask, other=0.0)
-        k1, k2 = _split_pairs(k, TOKENS, BLOCK_HALF, INTERLEAVED)
-        r1, r2 = _rotate(k1, k2, cos, sin)
-        k = _join_pairs(r1.to(k.dtype), r2.to(k.dtype), TOKENS, BLOCK_HALF, INTERLEAVED)
-        tl.store(k_rope_ptr + tok[:, None] * ROPE + offs[None, :], k, mask=key_mask)
-        tl.store(cache_rows + RANK + offs[None, :], _to_cache(k, kv_scale, CACHE_FP8, cache_dtype),
-                 mask=key_mask & in_cache)
-        # q_rope: rows (token, head) of _HEAD_BLOCK heads at a time; each row's angles recomputed
-        # from its token's position (arithmetic is cheap here, picking rows of cos out is not).
-        rows: tl.constexpr = TOKENS * _HEAD_BLOCK
-        r = tl.arange(0, rows)
-        r_tok = first + (r // _HEAD_BLOCK).to(tl.int64)
-        r_cos, r_sin = _cos_sin(tl.load(pos_ptr + r_tok, mask=r_tok < num_tokens, other=0)[:, None], inv_freq_ptr,
-                                magnitude, half, BLOCK_HALF)
-        for h0 in tl.static_range(0, HEADS, _HEAD_BLOCK):
-            h = h0 + r % _HEAD_BLOCK
-            qmask = ((r_tok < num_tokens) & (h < HEADS))[:, None] & ok[None, :]
-            ptr = q_ptr + r_tok[:, None] * stride_qt + h.to(tl.int64)[:, None] * stride_qh + offs[None, :]
-            q = tl.load(ptr, mask=qmask, other=0.0)
-            q1, q2 = _split_pairs(q, rows, BLOCK_HALF, INTERLEAVED)
-            o1, o2 = _rotate(q1, q2, r_cos, r_sin)
-            tl.store(ptr, _join_pairs(o1.to(q.dtype), o2.to(q.dtype), rows, BLOCK_HALF, INTERLEAVED), mask=qmask)
-
-
-@triton.jit(do_not_specialize=["absorb_programs", "absorb_rows", "num_tokens"])
+@triton.jit(do_not_specialize=["absorb_programs", "absorb_rows"])
 def _mla_prep_kernel(
     pos_ptr, q_ptr, kv_ptr, w_ptr, inv_freq_ptr, cache_ptr, slot_ptr, latent_ptr, k_rope_ptr,
     stride_qt, stride_qh, stride_kv, stride_slot, eps, magnitude, kv_scale,
     q_nope_ptr, w_uk_ptr, q_lat_ptr, absorb_programs, absorb_rows,
-    stride_nt, stride_nh, stride_wh, stride_wn, stride_lt, stride_lh, num_tokens,
+    stride_nt, stride_nh, stride_wh, stride_wn, stride_lt, stride_lh,
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, CACHE_FP8: tl.constexpr, ABSORB: tl.constexpr, NOPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Programs 2 * token block + part (part 0 the latent, part 1 the rotary key and q_rope heads),
-    after the W_UK-absorbing programs when ABSORB; a block is one token, or TOKENS when TOKENS > 1."""
+    """Programs 2 * token + part (part 0 the latent, part 1 the rotary key and q_rope heads), after
+    the W_UK-absorbing programs when ABSORB."""
     pid = tl.program_id(0)
     if ABSORB:
         if pid < absorb_programs:
@@ -229,13 +169,6 @@ def _mla_prep_kernel(
             return
         pid -= absorb_programs
     wait_for_prior_grid(PDL)
-    if TOKENS > 1:
-        _prep_token_block(
-            pid % 2, (pid // 2).to(tl.int64) * TOKENS, num_tokens, pos_ptr, q_ptr, kv_ptr, w_ptr, inv_freq_ptr,
-            cache_ptr, slot_ptr, latent_ptr, k_rope_ptr, stride_qt, stride_qh, stride_kv, stride_slot, eps, magnitude,
-            kv_scale, HEADS, RANK, ROPE, BLOCK_RANK, BLOCK_HALF, INTERLEAVED, CACHE_FP8, TOKENS,
-        )
-        return
     tok = (pid // 2).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     in_cache = slot >= 0
@@ -356,16 +289,14 @@ def mla_rope_norm_store(
     k_rope = torch.empty(tokens, rope, dtype=kv.dtype, device=kv.device)
     absorb = _absorb_launch(q_nope, w_uk, q_latent)
     args = absorb.pop("absorb")
-    # Blocks of tokens only where no program absorbs W_UK (decode sizes keep a program per token).
-    block = BLOCK_TOKENS if tokens >= BLOCK_TOKENS_MIN_TOKENS and not absorb["ABSORB"] else 1
     if tokens:
-        _mla_prep_kernel[(args[3] + 2 * triton.cdiv(tokens, block),)](
+        _mla_prep_kernel[(args[3] + 2 * tokens,)](
             positions, q_rope, kv, norm_weight.contiguous(), inv_freq.float().contiguous(), flat,
             slot_mapping, latent, k_rope, q_rope.stride(0), q_rope.stride(1), kv.stride(0), flat.stride(0),
-            float(eps), float(magnitude), float(kv_scale), *(a if a is not None else kv for a in args), tokens,
+            float(eps), float(magnitude), float(kv_scale), *(a if a is not None else kv for a in args),
             HEADS=q_rope.shape[1], RANK=rank, ROPE=rope, BLOCK_RANK=triton.next_power_of_2(rank),
             BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=bool(interleaved),
-            CACHE_FP8=kv_cache.dtype == torch.float8_e4m3fn, TOKENS=block, **absorb, num_warps=4, **pdl_launch(kv),
+            CACHE_FP8=kv_cache.dtype == torch.float8_e4m3fn, **absorb, num_warps=4, **pdl_launch(kv),
         )
     if q_nope is not None and q_nope.shape[0] and not absorb["ABSORB"]:
         assert w_uk is not None and q_latent is not None
