@@ -59,3 +59,21 @@ def test_requests_after_start_up_compile_nothing(v3_checkpoint):
         knobs.runtime.jit_post_compile_hook = saved
     assert full_hit >= 192 and partial_hit >= 192 and fresh < 16
     assert compiled == []
+
+
+@pytest.mark.gpu
+def test_activation_profile_leaves_out_weight_copies_built_on_first_use(v3_checkpoint):
+    """The shared experts' joined down weights persist once built: the profile builds them before
+    measuring, so a first profile run (nothing built yet) peaks exactly as a later one."""
+    from moeserve.layers.moe import Experts
+
+    llm = LLM(str(v3_checkpoint), dtype="bfloat16", device="cuda", max_model_len=512, num_kv_pages=64,
+              disable_cuda_graph=True)  # fmt: skip
+    runner = llm.core.runner
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts) and m.num_shared]
+    assert experts and all(m._shared_down is not None for m in experts)
+    for m in experts:
+        m._shared_down = None  # as at start-up, before any prompt-size step built them
+    first = runner.profile_activation_peak(1024)
+    assert all(m._shared_down is not None for m in experts)
+    assert runner.profile_activation_peak(1024) == first
