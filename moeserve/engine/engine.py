@@ -229,11 +229,12 @@ class EngineCore:
         CPU's scheduling and bookkeeping hide behind the GPU's work and outputs arrive one step
         late; without it each step is launched and collected in turn.
         """
-        batch = self.scheduler.schedule()
+        overlap = not self.engine.disable_overlap_schedule
+        batch = self.scheduler.schedule(self.engine.idle_step_tokens if overlap and self._in_flight is None else None)
         handle = self.runner.launch(batch) if batch.items else None
         if handle is not None:
             self.scheduler.stats.cuda_graph_padded_tokens += self.runner.last_padded_tokens
-        if self.engine.disable_overlap_schedule:
+        if not overlap:
             outputs = self.scheduler.update(batch, self.runner.collect(handle)) if handle else []
         else:
             outputs = []

@@ -23,6 +23,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--chunked-prefill-size", type=int, default=8192, help="0 disables chunked prefill")
     parser.add_argument(
+        "--idle-step-tokens",
+        type=int,
+        default=16384,
+        help="most tokens a step launched onto an idle GPU computes (overlap mode), so the GPU starts sooner",
+    )
+    parser.add_argument(
         "--enable-mixed-chunk",
         action="store_true",
         help="decodes share steps with prefill chunks (smoother inter-token latency under arrivals)",
@@ -69,6 +75,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
+        "idle_step_tokens": args.idle_step_tokens,
         "enable_mixed_chunk": args.enable_mixed_chunk,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "mem_fraction_static": args.mem_fraction_static,

@@ -197,11 +197,11 @@ class Scheduler:
                 req.num_pending_tokens += 1
                 rows += 1
 
-    def schedule(self) -> ScheduleBatch:
-        """Pick this step's work and commit it."""
+    def schedule(self, max_tokens: int | None = None) -> ScheduleBatch:
+        """Pick this step's work (at most `max_tokens` tokens, if less than the engine's budget) and commit it."""
         batch = ScheduleBatch(parity=self._steps % 2)
         self._steps += 1
-        budget = self.engine.max_num_batched_tokens
+        budget = min(self.engine.max_num_batched_tokens, max_tokens or self.engine.max_num_batched_tokens)
         retractions_before = self.stats.num_retractions
         mixed = self.engine.enable_mixed_chunk
         if not mixed:

@@ -38,6 +38,7 @@ CONFIGS = {
     "page16-mha": dict(page_size=16, mha_threshold=0, chunked_prefill_size=12, max_num_batched_tokens=24),
     "page4-absorbed": dict(page_size=4, mha_threshold=10**12, chunked_prefill_size=12),
     "no-prefix-cache": dict(page_size=4, enable_prefix_caching=False, chunked_prefill_size=12),
+    "idle-step-cap": dict(page_size=4, max_num_batched_tokens=64, chunked_prefill_size=32, idle_step_tokens=8),
     "no-overlap": dict(page_size=4, chunked_prefill_size=12, disable_overlap_schedule=True),
     "no-mixed-chunk": dict(page_size=4, max_num_batched_tokens=16, chunked_prefill_size=8, enable_mixed_chunk=False),
 }
