@@ -18,11 +18,12 @@ from moeserve.core.outputs import SampledToken
 from moeserve.core.request import Request
 from moeserve.executor.cuda_graph import CudaGraphRunner, batch_size_set
 from moeserve.executor.prefill_graph import PrefillGraphRunner, prefill_graph_sizes
-from moeserve.executor.sampling_io import ban_stop_tokens, resolve_placeholders, sampling_batch, unpack
+from moeserve.executor.sampling_io import ban_stop_tokens, sampling_batch, unpack
 from moeserve.layers.attention import use_mha_for_extend
 from moeserve.layers.moe import Experts, MoE
 from moeserve.layers.sampler import SamplerOutput, sample
 from moeserve.models.deepseek import DeepseekForCausalLM
+from moeserve.ops.reference.decode_inputs import resolve_placeholders
 
 logger = logging.getLogger(__name__)
 

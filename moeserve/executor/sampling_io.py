@@ -44,12 +44,6 @@ def sampling_batch(
     )
 
 
-def resolve_placeholders(tokens: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
-    """Token ids with each placeholder -1 - i replaced by entry i of the flat future-token buffer."""
-    picked = future_tokens.view(-1)[(-tokens - 1).clamp(min=0)]
-    return torch.where(tokens < 0, picked, tokens)
-
-
 def ban_stop_tokens(logits: torch.Tensor, items: list[ScheduledRequest]) -> bool:
     """Until min_tokens are out, EOS and stop tokens cannot be sampled (as in vLLM); True if any was."""
     banned_any = False

@@ -48,7 +48,7 @@ def test_kernel_matches_reference_and_touches_only_staged_entries(rows, width):
 @pytest.mark.parametrize("rows", [1, 7])
 def test_placeholders_are_resolved_from_the_future_tokens(rows):
     rng = np.random.default_rng(rows)
-    staged, parts = staged_step(rng, rows, 4)
+    _, parts = staged_step(rng, rows, 4)
     # 2 parities x 30 rows, as the runner keeps them; placeholders -1 - i pick flat entry i.
     future = torch.from_numpy(rng.integers(0, 10**6, (2, 30))).to(DEVICE)
     ids = parts[0].copy()

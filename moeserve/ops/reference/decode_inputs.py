@@ -29,8 +29,12 @@ def unpack_decode_inputs(
     for k, out in enumerate((input_ids, positions, slot_mapping, seq_lens)):
         out[:rows].copy_(body[k])
     if future_tokens is not None:
-        ids = input_ids[:rows]
-        picked = future_tokens.reshape(-1)[(-ids - 1).clamp(min=0)]
-        ids.copy_(torch.where(ids < 0, picked, ids))
+        input_ids[:rows].copy_(resolve_placeholders(input_ids[:rows], future_tokens))
     start = 1 + 4 * rows
     block_table[:rows, :width].copy_(staged[start : start + rows * width].view(rows, width))
+
+
+def resolve_placeholders(tokens: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids with each placeholder -1 - i replaced by entry i of the flat future-token buffer."""
+    picked = future_tokens.reshape(-1)[(-tokens - 1).clamp(min=0)]
+    return torch.where(tokens < 0, picked, tokens)
