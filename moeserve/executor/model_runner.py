@@ -20,7 +20,7 @@ from moeserve.executor.cuda_graph import CudaGraphRunner, batch_size_set
 from moeserve.executor.prefill_graph import PrefillGraphRunner, prefill_graph_sizes
 from moeserve.executor.sampling_io import ban_stop_tokens, sampling_batch, unpack
 from moeserve.layers.attention import use_mha_for_extend
-from moeserve.layers.moe import Experts, MoE
+from moeserve.layers.moe import MoE
 from moeserve.layers.sampler import SamplerOutput, sample
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.ops.reference.decode_inputs import resolve_placeholders
@@ -81,9 +81,7 @@ class ModelRunner:
         )
         # Weight copies built on first use stay for good: built first, they count once, as
         # weights, not again as part of the activation peak (0.3 GB on V2-Lite).
-        for module in self.model.modules():
-            if isinstance(module, Experts) and module.num_shared:
-                module.shared_down_weight()
+        self.model.build_weight_copies()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)

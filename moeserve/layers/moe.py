@@ -173,6 +173,12 @@ class MoE(nn.Module):
             config.n_routed_experts, config.n_shared_experts, config.hidden_size, config.moe_intermediate_size
         )
 
+    def build_weight_copies(self) -> None:
+        """Build now the weight copies kernels read (the shared experts' joined down weights), which
+        would otherwise be built at first use, so that a memory profile counts them as weights."""
+        if self.experts.num_shared:
+            self.experts.shared_down_weight()
+
     def forward(self, x: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
         """[T, H]; with sum_slots False it may instead return the per-expert parts [T, slots, H],
         for a caller whose next op sums them anyway (the fused add + RMSNorm)."""

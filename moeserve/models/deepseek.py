@@ -114,3 +114,9 @@ class DeepseekForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) for the given hidden states."""
         return self.lm_head(hidden).float()
+
+    def build_weight_copies(self) -> None:
+        """Build every layer's derived weight copies now rather than at first use (MoE.build_weight_copies)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.build_weight_copies()

@@ -138,3 +138,18 @@ def test_gpu_dual_stream_replays_in_a_cuda_graph(checkpoints, monkeypatch):
             torch.cuda.synchronize()
             assert torch.equal(parts, want_parts)
             assert torch.equal(residual, want_residual)
+
+
+def test_model_builds_every_joined_copy_up_front(checkpoints):
+    """build_weight_copies builds each MoE's joined shared down weights before any forward, as the
+    memory profile needs; the copy is the experts' down projections side by side."""
+    path = checkpoints["v3"]
+    model = load_model(ModelConfig.from_path(path), path, torch.float32, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, moe.MoE)]
+    assert layers and all(m.experts._shared_down is None for m in layers)
+    model.build_weight_copies()
+    for layer in layers:
+        experts = layer.experts
+        joined = experts._shared_down[1]
+        want = torch.cat([experts.w2_weight[e] for e in range(experts.num_routed, experts.num_routed + experts.num_shared)], dim=1)
+        assert torch.equal(joined, want)
