@@ -22,35 +22,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict:
-    """Submit all prompts, step to completion; return step times split into prefill and decode."""
+    """Submit all prompts, step to completion; return step times split into prefill and decode,
+    and for each decode step the keys its attention read (summed over requests)."""
     from moeserve import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    prompt_lens = {}
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
-    started, first_tokens, decode_ms, prefill_ms, generated = time.perf_counter(), set(), [], [], 0
+        prompt_lens[f"{tag}-{i}"] = len(p)
+    started, decode_ms, decode_keys, prefill_ms, generated = time.perf_counter(), [], [], [], 0
+    produced: dict[str, int] = {}
     ttft = None
     while core.has_unfinished_requests():
         t0 = time.perf_counter()
         was_decoding = ttft is not None
         outs = core.step()
         elapsed = time.perf_counter() - t0
+        keys = 0
+        for o in outs:
+            n = produced.get(o.request_id, 0)
+            # Output token n >= 1 comes from the step whose query sits at position prompt + n - 1:
+            # it reads prompt + n keys.
+            keys += prompt_lens[o.request_id] + n if n and o.new_token_ids else 0
+            produced[o.request_id] = n + len(o.new_token_ids)
         generated += sum(len(o.new_token_ids) for o in outs)
-        first_tokens.update(o.request_id for o in outs)
         if was_decoding:
             decode_ms.append(elapsed * 1000)
+            decode_keys.append(keys)
         else:
             prefill_ms.append(elapsed * 1000)
-            if len(first_tokens) == len(prompts):
+            if len(produced) == len(prompts):
                 ttft = time.perf_counter() - started
     seconds = time.perf_counter() - started
-    return {"ttft_s": ttft, "decode_ms": decode_ms, "prefill_ms": prefill_ms, "seconds": seconds, "generated": generated}
+    return {"ttft_s": ttft, "decode_ms": decode_ms, "decode_keys": decode_keys, "prefill_ms": prefill_ms,
+            "seconds": seconds, "generated": generated}
 
 
 def decode_floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
-    """Run one eager decode step with routing counted; bytes it must read over read bandwidth."""
+    """Run one eager decode step with routing counted -> the bytes any decode step of this batch
+    reads whatever its context (dense weights, touched experts), the KV bytes a key adds, and the
+    read bandwidth; `step_floors` turns them into each step's floor."""
     from moeserve import SamplingParams
-    from moeserve.bench.roofline import count_touched_experts, decode_step_bytes, read_bandwidth_gbs
+    from moeserve.bench.roofline import count_touched_experts, decode_weight_bytes, read_bandwidth_gbs
 
     # Room for every request to outlive the prefill phase: with decodes mixed into prefill steps,
     # the first prompts decode while later ones prefill, and a request that had finished would
@@ -73,19 +87,33 @@ def decode_floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict
         core.step()
     if decoded != len(prompts):
         raise RuntimeError(f"decode floor: the counted step decoded {decoded} of {len(prompts)} requests")
-    kv_tokens = sum(len(p) + 1 for p in prompts)
     kv = core.runner.kv_cache
-    per_token = core.model_config.kv_cache_dim * core.model_config.num_hidden_layers * kv.buffer.element_size()
-    info = decode_step_bytes(core.runner.model, touched, kv_tokens, per_token)
-    gbs = read_gbs or read_bandwidth_gbs()
-    info.update(read_gbs=round(gbs, 1), floor_ms=round(info["total_bytes"] / gbs / 1e6, 3))
-    info.update(touched_experts_per_layer=touched, mean_touched_experts=round(sum(touched) / max(1, len(touched)), 2))
-    return info
+    per_key = core.model_config.kv_cache_dim * core.model_config.num_hidden_layers * kv.buffer.element_size()
+    return dict(
+        **decode_weight_bytes(core.runner.model, touched), kv_bytes_per_key=per_key,
+        read_gbs=round(read_gbs or read_bandwidth_gbs(), 1), touched_experts_per_layer=touched,
+        mean_touched_experts=round(sum(touched) / max(1, len(touched)), 2),
+    )
+
+
+def step_floors(floor: dict, decode_ms: list[float], decode_keys: list[int]) -> dict:
+    """Each decode step against its own floor (its context sets its KV read) -> the floor at the
+    median context, and the median, 90th-percentile and worst step-to-floor ratios."""
+    fixed = floor["dense_bytes"] + floor["expert_bytes"]
+    floors_ms = [(fixed + keys * floor["kv_bytes_per_key"]) / floor["read_gbs"] / 1e6 for keys in decode_keys]
+    ratios = sorted(ms / f for ms, f in zip(decode_ms, floors_ms, strict=True))
+    keys = int(statistics.median(decode_keys))
+    kv = keys * floor["kv_bytes_per_key"]
+    hbm = dict(floor, kv_keys=keys, kv_bytes=kv, total_bytes=fixed + kv,
+               floor_ms=round((fixed + kv) / floor["read_gbs"] / 1e6, 3))
+    p90 = ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))]
+    return dict(hbm_floor=hbm, floor_ratio=round(statistics.median(ratios), 3),
+                floor_ratio_p90=round(p90, 3), floor_ratio_max=round(ratios[-1], 3))
 
 
 def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, analyze_floor: bool,
             read_gbs: float | None = None) -> dict:
-    """Warm up, time one batch; optionally compare the decode step with its HBM floor."""
+    """Warm up, time one batch; optionally compare each decode step with its HBM floor."""
     vocab = core.model_config.vocab_size
     # Warm-up and floor prompts come from streams of their own: drawn from seed + 1, a run at
     # s + 1 timed the prompts the run at s had warmed up, straight from the prefix cache.
@@ -109,7 +137,7 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
         fields.update(mean_decode_step_ms=round(statistics.fmean(res["decode_ms"]), 3), slow_decode_steps=slow[:32])
     if analyze_floor and step_ms:
         floor = decode_floor(core, random_prompts(batch_size, input_len, vocab, seed, "floor"), read_gbs)
-        fields.update(hbm_floor=floor, floor_ratio=round(step_ms / floor["floor_ms"], 3))
+        fields.update(step_floors(floor, res["decode_ms"], res["decode_keys"]))
     return fields
 
 
@@ -128,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{name}: ttft {fields['ttft_s'] * 1000:.1f} ms, median decode step {step_ms or 0:.2f} ms, "
         f"{fields['out_tok_s']:.1f} output tok/s over {fields['seconds']:.2f} s"
-        + (f", floor {fields['hbm_floor']['floor_ms']:.2f} ms (x{fields['floor_ratio']})" if "hbm_floor" in fields else "")
+        + (f", floor {fields['hbm_floor']['floor_ms']:.2f} ms at the median context (steps x{fields['floor_ratio']} "
+           f"median, x{fields['floor_ratio_p90']} p90)" if "hbm_floor" in fields else "")
     )
     write_results(args.output_file, [result])
     return 0

@@ -95,8 +95,6 @@ def count_touched_experts(model: DeepseekForCausalLM) -> Iterator[list[int]]:
     counts.extend(int((load > 0).sum()) for load in loads)
 
 
-def decode_step_bytes(model: DeepseekForCausalLM, touched: list[int], kv_tokens: int, kv_bytes_per_token: int) -> dict:
-    """Bytes one decode step reads: dense weights, touched experts, and the KV cache."""
-    dense, experts = dense_weight_bytes(model), sum(touched) * expert_bytes(model)
-    kv = kv_tokens * kv_bytes_per_token
-    return {"dense_bytes": dense, "expert_bytes": experts, "kv_bytes": kv, "total_bytes": dense + experts + kv}
+def decode_weight_bytes(model: DeepseekForCausalLM, touched: list[int]) -> dict:
+    """Weight bytes one decode step reads: the dense weights and the experts it touched."""
+    return {"dense_bytes": dense_weight_bytes(model), "expert_bytes": sum(touched) * expert_bytes(model)}

@@ -34,7 +34,8 @@ def test_decode_floor_step_decodes_every_request(v3_checkpoint, mixed):
     # Every decoding token routes to top-k distinct experts: at least k a layer, never more than E.
     k, experts = core.model_config.num_experts_per_tok, core.model_config.n_routed_experts
     assert all(k <= t <= experts for t in info["touched_experts_per_layer"])
-    assert info["kv_bytes"] > 0 and info["floor_ms"] > 0
+    per_key = core.model_config.kv_cache_dim * core.model_config.num_hidden_layers * 4  # float32 cache
+    assert info["kv_bytes_per_key"] == per_key and info["dense_bytes"] > 0 and info["read_gbs"] == 100.0
     core.kv.check_idle_accounting()
 
 
@@ -45,3 +46,27 @@ def test_consecutive_seeds_time_fresh_prompts(v3_checkpoint):
         hits = core.scheduler.stats.prefix_hit_tokens
         latency.measure(core, 2, 12, 2, seed, analyze_floor=False)
         assert core.scheduler.stats.prefix_hit_tokens == hits, f"seed {seed} timed cached prompts"
+
+
+def test_each_decode_step_meets_the_floor_of_its_own_context(v3_checkpoint):
+    """Step i of a batch reads prompt + i + 1 keys a request: its floor grows with the context."""
+    core = EngineCore(EngineConfig(model=str(v3_checkpoint), dtype="float32", device="cpu", page_size=4))
+    fields = latency.measure(core, 2, 12, 5, 7, analyze_floor=True, read_gbs=100.0)
+    floor = fields["hbm_floor"]
+    res = latency.run_batch(core, random_prompts(2, 12, core.model_config.vocab_size, 8), 5, "again")
+    assert res["decode_keys"] == [2 * (12 + n) for n in range(1, 5)]  # tokens 1-4 of each request
+    # The reported floor is the one at the median step's context: 2 x 14.5 keys -> int 29.
+    assert floor["kv_keys"] == 29 and floor["kv_bytes"] == 29 * floor["kv_bytes_per_key"]
+    assert floor["total_bytes"] == floor["dense_bytes"] + floor["expert_bytes"] + floor["kv_bytes"]
+    assert fields["floor_ratio"] <= fields["floor_ratio_p90"] <= fields["floor_ratio_max"]
+
+
+def test_step_floors_charge_each_step_its_own_kv_read():
+    """Steps that grow exactly as their KV read does have one ratio; the floor is the median one."""
+    floor = dict(dense_bytes=600_000, expert_bytes=400_000, kv_bytes_per_key=1_000, read_gbs=1.0)
+    keys = [100, 200, 300, 400, 500]
+    steps_ms = [2 * (1_000_000 + k * 1_000) / 1e6 for k in keys]  # twice each step's floor
+    steps_ms[-1] *= 1.5  # one slow step shows in the worst ratio, not the median
+    out = latency.step_floors(floor, steps_ms, keys)
+    assert out["floor_ratio"] == 2.0 and out["floor_ratio_max"] == 3.0
+    assert out["hbm_floor"]["kv_keys"] == 300 and out["hbm_floor"]["floor_ms"] == 1.3
