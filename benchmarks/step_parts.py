@@ -3,7 +3,7 @@
     python benchmarks/step_parts.py MODEL_DIR [LOAD_FORMAT]
 
 A fresh engine (the suite's settings) runs a warm-up b256 batch (ISL 1024, 4 tokens), then the
-b256 latency batch; for its first 46 steps it prints the step's wall time split into schedule /
+b256 latency batch; for its first 12 steps and its last 3 it prints the step's wall time split into schedule /
 launch / collect / update, and the span between CUDA events recorded around the step's launch.
 Walls that add up to more than the spans mean the GPU waited on the host; "start to start" is the
 GPU time from this step's first launched work to the next step's (its span plus any idle after).
@@ -72,10 +72,8 @@ def run(bs, out_len, seed, tag):
         wall = (time.perf_counter() - t) * 1000
         rows.append((step, wall, dict(parts), n0))
         step += 1
-        if step > 45:
-            break
     torch.cuda.synchronize()
-    for step, wall, p, n0 in rows:
+    for step, wall, p, n0 in rows[:12] + rows[-3:]:
         g = gpu[n0] if n0 < len(gpu) else None
         gms = g[0].elapsed_time(g[1]) if g else 0
         nxt = gpu[n0 + 1] if n0 + 1 < len(gpu) else None
@@ -83,8 +81,6 @@ def run(bs, out_len, seed, tag):
         print(f"{tag} step {step:3d} wall {wall:6.2f} | " + " ".join(f"{k} {v:5.2f}" for k, v in p.items())
               + f" | launched {g[2] if g else 0} tok {g[3] if g else 0} rows, its GPU {gms:6.2f} ms,"
               f" start to start {to_next:6.2f}", flush=True)
-    while core.has_unfinished_requests():
-        core.step()
 
 
 run(256, 4, 1, "warm")
