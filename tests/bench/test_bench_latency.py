@@ -48,7 +48,7 @@ def test_consecutive_seeds_time_fresh_prompts(v3_checkpoint):
         assert core.scheduler.stats.prefix_hit_tokens == hits, f"seed {seed} timed cached prompts"
 
 
-def test_each_decode_step_meets_the_floor_of_its_own_context(v3_checkpoint):
+def test_each_decode_step_is_charged_the_kv_of_its_own_context(v3_checkpoint):
     """Step i of a batch reads prompt + i + 1 keys a request: its floor grows with the context."""
     core = EngineCore(EngineConfig(model=str(v3_checkpoint), dtype="float32", device="cpu", page_size=4))
     fields = latency.measure(core, 2, 12, 5, 7, analyze_floor=True, read_gbs=100.0)
