@@ -46,7 +46,7 @@ def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict
             # it reads prompt + n keys.
             keys += prompt_lens[o.request_id] + n if n and o.new_token_ids else 0
             produced[o.request_id] = n + len(o.new_token_ids)
-        generated += sum(len(o.new_token_ids) for o in outs)
+            generated += len(o.new_token_ids)
         if was_decoding:
             decode_ms.append(elapsed * 1000)
             decode_keys.append(keys)
@@ -100,12 +100,14 @@ def step_floors(floor: dict, decode_ms: list[float], decode_keys: list[int]) -> 
     """Each decode step against its own floor (its context sets its KV read) -> the floor at the
     median context, and the median, 90th-percentile and worst step-to-floor ratios."""
     fixed = floor["dense_bytes"] + floor["expert_bytes"]
-    floors_ms = [(fixed + keys * floor["kv_bytes_per_key"]) / floor["read_gbs"] / 1e6 for keys in decode_keys]
-    ratios = sorted(ms / f for ms, f in zip(decode_ms, floors_ms, strict=True))
+
+    def bytes_at(keys: int) -> int:
+        return fixed + keys * floor["kv_bytes_per_key"]
+
+    ratios = sorted(ms / (bytes_at(k) / floor["read_gbs"] / 1e6) for ms, k in zip(decode_ms, decode_keys, strict=True))
     keys = int(statistics.median(decode_keys))
-    kv = keys * floor["kv_bytes_per_key"]
-    hbm = dict(floor, kv_keys=keys, kv_bytes=kv, total_bytes=fixed + kv,
-               floor_ms=round((fixed + kv) / floor["read_gbs"] / 1e6, 3))
+    hbm = dict(floor, kv_keys=keys, kv_bytes=bytes_at(keys) - fixed, total_bytes=bytes_at(keys),
+               floor_ms=round(bytes_at(keys) / floor["read_gbs"] / 1e6, 3))
     p90 = ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))]
     return dict(hbm_floor=hbm, floor_ratio=round(statistics.median(ratios), 3),
                 floor_ratio_p90=round(p90, 3), floor_ratio_max=round(ratios[-1], 3))
