@@ -213,6 +213,8 @@ def test_empty_inputs_and_bad_shapes():
     assert empty.shape == (0, 2, 32)
     q = torch.randn(0, 2, 24, device=DEVICE)
     assert varlen_attention(q, q, q[..., :16], cumsum0([0]), cumsum0([0]), 0, 0, 1.0).shape == (0, 2, 16)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        varlen_attention(q, q, q[..., :16], cumsum0([0]), cumsum0([0]), 0, 0, -1.0)
 
 
 # --- GPU tests: real shapes (DeepSeek-V2-Lite: H = 16; V3: H = 128) -------------------------------
