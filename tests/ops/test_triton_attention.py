@@ -117,7 +117,7 @@ def check_extend(seq_lens, query_lens, heads, rank, rope, page_size, q_dtype, kv
     assert rel_err(got, want) < TOL[q_dtype]
 
 
-def check_varlen(query_lens, kv_lens, heads, dq, dv, dtype, gen, rope=0):
+def check_varlen(query_lens, kv_lens, heads, dq, dv, dtype, gen, rope=0, tiles=None):
     """Triton vs reference; with `rope`, keys come as per-head k plus one shared rotary part."""
     q = torch.randn(sum(query_lens), heads, dq, generator=gen).to(device=DEVICE, dtype=dtype)
     # k and v as slices of one wider tensor, like the model's split of kv_b_proj's output.
@@ -131,7 +131,7 @@ def check_varlen(query_lens, kv_lens, heads, dq, dv, dtype, gen, rope=0):
         assert torch.equal(ref.varlen_attention(q, joined, *args[2:]), want)
     # Written into a slice of a wider buffer, as the model writes extend rows after decode rows.
     buffer = torch.full((sum(query_lens) + 2, heads, dv), float("nan"), device=DEVICE, dtype=dtype)
-    got = varlen_attention(*args, k_rope=k_rope, out=buffer[2:])
+    got = varlen_attention(*args, k_rope=k_rope, out=buffer[2:], tiles=tiles)
     assert got.data_ptr() == buffer[2:].data_ptr() and buffer[:2].isnan().all()
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert rel_err(got, want) < TOL[dtype]
@@ -183,6 +183,16 @@ def test_varlen_attention_matches_reference(dq, dv, dtype, rope, poisoned):
     # rope=5 does not split on the kernel's power-of-two boundary, so the keys are joined first.
     gen = torch.Generator().manual_seed(dq + dv)
     check_varlen([20, 7, 1, 5], [20, 40, 18, 5], 2, dq, dv, dtype, gen, rope)
+
+
+def test_varlen_attention_tiles_override(poisoned):
+    # Tiles other than the device's (taller query blocks, wider key tiles) over the same ragged rows.
+    gen = torch.Generator().manual_seed(3)
+    check_varlen([40, 7, 1, 5], [40, 60, 18, 5], 2, 24, 16, torch.float32, gen, tiles=(32, 16, 1, 1))
+    check_varlen([40, 7, 1, 5], [40, 60, 18, 5], 2, 24, 16, torch.float32, gen, tiles=(16, 32, 1, 1))
+    q = torch.randn(5, 2, 24, device=DEVICE)
+    with pytest.raises(Exception, match="power of 2"):  # the override reaches the launch: 24 rows cannot tile
+        varlen_attention(q, q, q[..., :16], cumsum0([5]), cumsum0([5]), 5, 5, 1.0, tiles=(24, 16, 1, 1))
 
 
 @pytest.mark.parametrize(("page_size", "kv_dtype"), [(1, torch.bfloat16), (16, FP8), (64, torch.float32)])

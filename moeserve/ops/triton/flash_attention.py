@@ -179,8 +179,12 @@ def varlen_attention(
     scale: float,
     k_rope: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Causal (bottom-right aligned) attention over packed variable-length sequences -> [T, H, Dv]."""
+    """Causal (bottom-right aligned) attention over packed variable-length sequences -> [T, H, Dv].
+
+    `tiles` (BLOCK_M, BLOCK_N, warps, stages) overrides the device's choice (benchmarks sweep it).
+    """
     _check(q, k, v, k_rope, cu_seqlens_q, cu_seqlens_k)
     if not scale > 0:  # the kernel scales the running max, not the scores: a max only commutes with scale > 0
         raise ValueError(f"varlen_attention: scale must be positive, got {scale}")
@@ -201,7 +205,7 @@ def varlen_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if tokens == 0 or batch <= 0 or max_query_len <= 0:
         return out
-    block_m, block_n, warps, stages = _tiles(dq, dv, q.dtype, q.device)
+    block_m, block_n, warps, stages = tiles or _tiles(dq, dv, q.dtype, q.device)
     # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
     compute = _COMPUTE[q.dtype] if q.is_cuda else tl.float32
     num_m_blocks = triton.cdiv(max_query_len, block_m)
