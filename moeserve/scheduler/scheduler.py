@@ -201,7 +201,9 @@ class Scheduler:
         """Pick this step's work (at most `max_tokens` tokens, if less than the engine's budget) and commit it."""
         batch = ScheduleBatch(parity=self._steps % 2)
         self._steps += 1
-        budget = min(self.engine.max_num_batched_tokens, max_tokens or self.engine.max_num_batched_tokens)
+        budget = self.engine.max_num_batched_tokens
+        if max_tokens is not None:
+            budget = min(budget, max_tokens)
         retractions_before = self.stats.num_retractions
         mixed = self.engine.enable_mixed_chunk
         if not mixed:
