@@ -48,38 +48,45 @@ def _load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr, CACHE: tl.conste
 @triton.jit
 def _load_rows(
     kv_ptr, page, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     RELOAD: tl.constexpr, CACHE: tl.constexpr,
 ):
-    """Cached rows of keys offs_n in the cache's dtype (zeros from hi on when MASKED) ->
-    (latent for the scores, rotary key, latent for the output).
+    """Cached rows of keys offs_n in the cache's dtype (zeros from hi on when MASKED) -> (latent
+    halves for the scores, rotary key, latent halves for the output).
 
+    The latent comes as two halves of columns so that the score is two independent MMA chains of
+    half the depth (plus the rotary one): with heads on the M side a tile's score is a [heads,
+    keys] block whose K loop is a chain of dependent MMAs, which set the pace at 256 sequences.
     The latent feeds two matmuls. Loaded once and widened (FP8), Triton's pipeliner no longer
     stages it through shared memory, so RELOAD gives each matmul its own load: the second one
     hits L2, and both stay in the multi-buffered cp.async pipeline.
     """
     # int64: page * stride_page overflows int32 in pools past ~3.7M tokens.
     rows = kv_ptr + page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
-    c_ok = offs_c[None, :] < LATENT
+    a_ok = offs_c[None, :] < LATENT
+    b_ok = (HALF + offs_c)[None, :] < LATENT
     p_ok = offs_p[None, :] < ROPE
     if MASKED:
-        c_ok = c_ok & (offs_n < hi)[:, None]
+        a_ok = a_ok & (offs_n < hi)[:, None]
+        b_ok = b_ok & (offs_n < hi)[:, None]
         p_ok = p_ok & (offs_n < hi)[:, None]
-    latent = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0, cache_modifier=CACHE)
+    lat_a = tl.load(rows[:, None] + offs_c[None, :], mask=a_ok, other=0.0, cache_modifier=CACHE)
+    lat_b = tl.load(rows[:, None] + HALF + offs_c[None, :], mask=b_ok, other=0.0, cache_modifier=CACHE)
     rope = tl.load(rows[:, None] + LATENT + offs_p[None, :], mask=p_ok, other=0.0, cache_modifier=CACHE)
     if RELOAD:
         # A different cache modifier also keeps the compiler from merging the two loads.
-        latent_pv = tl.load(rows[:, None] + offs_c[None, :], mask=c_ok, other=0.0, cache_modifier=".cg")
+        pv_a = tl.load(rows[:, None] + offs_c[None, :], mask=a_ok, other=0.0, cache_modifier=".cg")
+        pv_b = tl.load(rows[:, None] + HALF + offs_c[None, :], mask=b_ok, other=0.0, cache_modifier=".cg")
     else:
-        latent_pv = latent
-    return latent, rope, latent_pv
+        pv_a, pv_b = lat_a, lat_b
+    return lat_a, lat_b, rope, pv_a, pv_b
 
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q_lat, q_rope, kv_ptr, table_row, lo, hi, pos, offs_c, offs_p,
+    acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, lo, hi, pos, offs_c, offs_p,
     stride_page, stride_slot, qk_scale,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Online softmax over keys lo .. hi (lo tile-aligned). Unmasked: whole tiles all rows see.
@@ -91,25 +98,29 @@ def _attend_tiles(
     pages = _load_pages(table_row, lo + offs, hi, PAGE_SIZE, "")
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs
-        latent, rope, latent_pv = _load_rows(
+        lat_a, lat_b, rope, pv_a, pv_b = _load_rows(
             kv_ptr, pages, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
-            LATENT, ROPE, PAGE_SIZE, MASKED, RELOAD, "",
+            LATENT, ROPE, HALF, PAGE_SIZE, MASKED, RELOAD, "",
         )
         pages = _load_pages(table_row, offs_n + BLOCK_N, hi, PAGE_SIZE, "")
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_lat, q_rope, latent, rope, latent_pv, offs_n, hi, pos, qk_scale, MASKED, COMPUTE, PRECISION,
+        acc_a, acc_b, m_i, l_i = _attend_tile(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, lat_a, lat_b, rope, pv_a, pv_b, offs_n, hi, pos, qk_scale,
+            MASKED, COMPUTE, PRECISION,
         )
-    return acc, m_i, l_i
+    return acc_a, acc_b, m_i, l_i
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q_lat, q_rope, latent, rope, latent_pv, offs_n, hi, pos, qk_scale,
+    acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, lat_a, lat_b, rope, pv_a, pv_b, offs_n, hi, pos, qk_scale,
     MASKED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the loaded keys offs_n."""
-    s = tl.dot(q_lat, tl.trans(latent.to(COMPUTE)), input_precision=PRECISION)
-    s = tl.dot(q_rope, tl.trans(rope.to(COMPUTE)), acc=s, input_precision=PRECISION) * qk_scale
+    # Three independent products summed, not one chained accumulator (see _load_rows).
+    s = tl.dot(q_a, tl.trans(lat_a.to(COMPUTE)), input_precision=PRECISION)
+    s += tl.dot(q_b, tl.trans(lat_b.to(COMPUTE)), input_precision=PRECISION)
+    s += tl.dot(q_rope, tl.trans(rope.to(COMPUTE)), input_precision=PRECISION)
+    s *= qk_scale
     if MASKED:
         s = tl.where((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < hi), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -118,25 +129,39 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(COMPUTE), latent_pv.to(COMPUTE), acc=acc * alpha[:, None], input_precision=PRECISION)
-    return acc, m_new, l_i
+    p = p.to(COMPUTE)
+    acc_a = tl.dot(p, pv_a.to(COMPUTE), acc=acc_a * alpha[:, None], input_precision=PRECISION)
+    acc_b = tl.dot(p, pv_b.to(COMPUTE), acc=acc_b * alpha[:, None], input_precision=PRECISION)
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
+def _store_half(o, cols, q_row, head, row_ok, split, num_heads, out_ptr, part_o_ptr, stride_ot,
+                stride_oh, num_splits, LATENT: tl.constexpr, SPLIT_KV: tl.constexpr):
+    """Latent columns `cols` of the normalised output, to `out` or, with several splits, as a partial."""
+    mask = row_ok[:, None] & (cols[None, :] < LATENT)
+    if not SPLIT_KV:
+        ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (q_row * num_heads + head) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * LATENT + cols[None, :], o, mask=mask)
 
 
 @triton.jit
 def _store_result(
-    acc, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
+    acc_a, acc_b, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
     out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh,
-    num_splits, LATENT: tl.constexpr, SPLIT_KV: tl.constexpr,
+    num_splits, LATENT: tl.constexpr, HALF: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):
     """The normalised output, straight to `out` or, with several splits, as a partial + lse."""
-    o = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-    mask = row_ok[:, None] & (offs_c[None, :] < LATENT)
-    if not SPLIT_KV:
-        ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :]
-        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    inv = (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    _store_half(acc_a * inv, offs_c, q_row, head, row_ok, split, num_heads, out_ptr, part_o_ptr,
+                stride_ot, stride_oh, num_splits, LATENT, SPLIT_KV)
+    _store_half(acc_b * inv, HALF + offs_c, q_row, head, row_ok, split, num_heads, out_ptr,
+                part_o_ptr, stride_ot, stride_oh, num_splits, LATENT, SPLIT_KV)
+    if SPLIT_KV:
         part = (q_row * num_heads + head) * num_splits + split
-        tl.store(part_o_ptr + part[:, None] * LATENT + offs_c[None, :], o, mask=mask)
         # -inf for rows with no visible key in this split (l_i = 0, m_i = -inf).
         tl.store(part_lse_ptr + part, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=row_ok)
 
@@ -144,7 +169,7 @@ def _store_result(
 @triton.jit
 def _first_tile_then_wait(
     kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     RELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Decode: a split's first KV tile, loaded before waiting on the previous kernel -> (keys, rows).
@@ -156,21 +181,24 @@ def _first_tile_then_wait(
     """
     first_n = lo + tl.arange(0, BLOCK_N)
     key = seq_len - 1
-    latent, rope, latent_pv = _load_rows(
+    lat_a, lat_b, rope, pv_a, pv_b = _load_rows(
         kv_ptr, _load_pages(table_row, first_n, hi, PAGE_SIZE, ".cg"), first_n, tl.minimum(hi, key), offs_c, offs_p,
-        stride_page, stride_slot, LATENT, ROPE, PAGE_SIZE, True, RELOAD, ".cg",
+        stride_page, stride_slot, LATENT, ROPE, HALF, PAGE_SIZE, True, RELOAD, ".cg",
     )
     in_tile = (key >= lo) & (key < hi) & (key < lo + BLOCK_N)
     page = tl.load(table_row + key // PAGE_SIZE, mask=in_tile, other=0, cache_modifier=".cg")
     row = kv_ptr + page.to(tl.int64) * stride_page + (key % PAGE_SIZE) * stride_slot
     wait_for_prior_grid(PDL)
-    new_latent = tl.load(row + offs_c, mask=in_tile & (offs_c < LATENT), other=0.0, cache_modifier=".cg")
+    new_a = tl.load(row + offs_c, mask=in_tile & (offs_c < LATENT), other=0.0, cache_modifier=".cg")
+    new_b = tl.load(row + HALF + offs_c, mask=in_tile & (HALF + offs_c < LATENT), other=0.0, cache_modifier=".cg")
     new_rope = tl.load(row + LATENT + offs_p, mask=in_tile & (offs_p < ROPE), other=0.0, cache_modifier=".cg")
     newest = (first_n == key)[:, None]
-    latent = tl.where(newest, new_latent[None, :], latent)
+    lat_a = tl.where(newest, new_a[None, :], lat_a)
+    lat_b = tl.where(newest, new_b[None, :], lat_b)
     rope = tl.where(newest, new_rope[None, :], rope)
-    latent_pv = tl.where(newest, new_latent[None, :], latent_pv)
-    return first_n, latent, rope, latent_pv
+    pv_a = tl.where(newest, new_a[None, :], pv_a)
+    pv_b = tl.where(newest, new_b[None, :], pv_b)
+    return first_n, lat_a, lat_b, rope, pv_a, pv_b
 
 
 # Ints that change from batch to batch are not specialised (a value of 1 or a multiple of 16
@@ -180,7 +208,7 @@ def _mla_split_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, qstart_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_page, stride_slot, stride_table, stride_ot, stride_oh,
     num_heads, num_q_blocks, num_splits, qk_scale, out_scale,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, EARLY_TILE: tl.constexpr, RELOAD: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -207,48 +235,48 @@ def _mla_split_kernel(
     row_ok = (tok < q_len) & (head < num_heads)
     pos = prefix + tok
     q_row = (q_start + tok).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
+    offs_c = tl.arange(0, HALF)
     offs_p = tl.arange(0, BLOCK_P)
     if EARLY_TILE:
         table_row = table_ptr + b.to(tl.int64) * stride_table
-        first_n, first_latent, first_rope, first_pv = _first_tile_then_wait(
+        first_n, first_a, first_b, first_rope, first_pv_a, first_pv_b = _first_tile_then_wait(
             kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
-            LATENT, ROPE, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
+            LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
         )
-    q_lat = tl.load(
-        q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :],
-        mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0,
-    ).to(COMPUTE)
+    q_ptrs = q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :]
+    q_a = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0).to(COMPUTE)
+    q_b = tl.load(q_ptrs + HALF, mask=row_ok[:, None] & (HALF + offs_c[None, :] < LATENT), other=0.0).to(COMPUTE)
     q_rope = tl.load(
         q_rope_ptr + q_row[:, None] * stride_rt + head[:, None] * stride_rh + offs_p[None, :],
         mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0,
     ).to(COMPUTE)
-    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_C], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_Q * BLOCK_H, HALF], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_Q * BLOCK_H, HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     if not EARLY_TILE:
         # Computed here, not above, so every batch but 1 compiles to the PTX measured before.
         table_row = table_ptr + b.to(tl.int64) * stride_table
     else:
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_lat, q_rope, first_latent, first_rope, first_pv, first_n, hi, pos, qk_scale,
-            True, COMPUTE, PRECISION,
+        acc_a, acc_b, m_i, l_i = _attend_tile(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, first_a, first_b, first_rope, first_pv_a, first_pv_b, first_n,
+            hi, pos, qk_scale, True, COMPUTE, PRECISION,
         )
         lo += BLOCK_N
     # Whole tiles below the block's first query position are visible to every row: no masks.
     diag = (prefix + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     mid = tl.maximum(lo, tl.minimum(diag, hi // BLOCK_N * BLOCK_N))
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q_lat, q_rope, kv_ptr, table_row, lo, mid, pos, offs_c, offs_p,
-        stride_page, stride_slot, qk_scale, LATENT, ROPE, BLOCK_N, PAGE_SIZE, False, RELOAD, COMPUTE, PRECISION,
+    acc_a, acc_b, m_i, l_i = _attend_tiles(
+        acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, lo, mid, pos, offs_c, offs_p,
+        stride_page, stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, False, RELOAD, COMPUTE, PRECISION,
     )
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q_lat, q_rope, kv_ptr, table_row, mid, hi, pos, offs_c, offs_p,
-        stride_page, stride_slot, qk_scale, LATENT, ROPE, BLOCK_N, PAGE_SIZE, True, RELOAD, COMPUTE, PRECISION,
+    acc_a, acc_b, m_i, l_i = _attend_tiles(
+        acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, mid, hi, pos, offs_c, offs_p,
+        stride_page, stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, True, RELOAD, COMPUTE, PRECISION,
     )
     _store_result(
-        acc, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
-        out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_splits, LATENT, SPLIT_KV,
+        acc_a, acc_b, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
+        out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_splits, LATENT, HALF, SPLIT_KV,
     )
 
 
@@ -338,7 +366,7 @@ def run_absorbed(
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         heads, num_q_blocks, num_splits, scale * kv_scale * LOG2E, kv_scale,
         LATENT=rank, ROPE=q_rope.shape[-1],
-        BLOCK_C=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
+        HALF=max(16, triton.next_power_of_2(rank) // 2), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
         SPLIT_KV=num_splits > 1, DECODE=decode, EARLY_TILE=decode and tiles.early_tile,
         RELOAD=fp8 and compute != tl.float32, COMPUTE=compute,
