@@ -392,7 +392,12 @@ def decode_tiles(
     if num_heads > 16:
         return Tiles(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1)
     if kv_dtype == torch.float8_e4m3fn:
-        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
+        # Measured at 1,152 keys (H200, benchmarks/kernels/sweep_mla_short.py --fp8): eight warps
+        # up to 8 rows; past that four, with the stages that won at each size (b256: 232 -> 136 us).
+        if batch <= 8:
+            return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
+        stages = 4 if 48 < batch <= 64 else 3 if 64 < batch <= 128 else 2
+        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=stages, ctas_per_sm=1)
     # Measured at 1-2K keys (sweep_mla_short.py): 64-key tiles win from 33 to 128 queries (two
     # splits each), four warps on 32-key tiles from 2 to 32; one program per SM sets the splits.
     if 32 < batch <= 128:
