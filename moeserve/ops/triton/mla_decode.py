@@ -399,15 +399,18 @@ def decode_tiles(
         stages = 4 if 48 < batch <= 64 else 3 if 64 < batch <= 128 else 2
         return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=stages, ctas_per_sm=1)
     # Measured at 1-2K keys (sweep_mla_short.py): 64-key tiles win from 33 to 128 queries (two
-    # splits each), four warps on 32-key tiles from 2 to 32; one program per SM sets the splits.
+    # splits each; four warps since the latent halves: b128 50.5 -> 47.0 us), four warps on 32-key
+    # tiles from 2 to 32; one program per SM sets the splits.
     if 32 < batch <= 128:
-        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1)
+        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=1)
     # One sequence: each split is a single short program, and eight warps shorten its chain
     # (1280 keys on H200 with PDL: 10.4 us for split + reduce against 11.3 with four warps).
     # Its first tile streams in behind the previous kernel: decode-graph replay 2.189 -> 2.135 ms
-    # at batch 1, while at 8 and 64 (longer splits) it cost 1.5%.
+    # at batch 1, while at 8 and 64 (longer splits) it cost 1.5%. 64-key tiles, one program an
+    # SM: half the splits for the merge to read (split + merge + W_UV, H200: 1,152 keys 11.5 ->
+    # 11.0 us, 4K 21.7 -> 14.4, 16K 45.1 -> 26.0, 64K 77.0 -> 50.0).
     if batch == 1:
-        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=2, early_tile=True)
+        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, early_tile=True)
     return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=1)
 
 
