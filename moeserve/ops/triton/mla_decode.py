@@ -392,7 +392,7 @@ def decode_tiles(
     if num_heads > 16:
         return Tiles(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1)
     if kv_dtype == torch.float8_e4m3fn:
-        # Measured at 1,152 keys (H200, benchmarks/kernels/sweep_mla_short.py --fp8): eight warps
+        # Measured at 1,152 keys (H200, benchmarks/kernels/mla_decode_tiles.py --kv fp8): eight warps
         # up to 8 rows; past that four, with the stages that won at each size (b256: 232 -> 136 us).
         if batch <= 8:
             return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
