@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_attention import FP8, cumsum0, decode_case, i32, paged, queries, time_us  # noqa: E402
+from check_attention import FP8, best_us, cumsum0, decode_case, i32, paged, queries  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
@@ -27,11 +27,6 @@ BF16 = torch.bfloat16
 DECODE = [(1, 1152, BF16), (8, 1152, BF16), (64, 1152, BF16), (128, 1152, BF16), (256, 1152, BF16),
           (256, 1280, BF16), (64, 1152, FP8), (256, 1152, FP8)]
 LONG_B1 = [1152, 4096, 16384, 65536]
-
-
-def best_us(fn, iters: int = 20) -> float:
-    """Best of three graph-replay medians (time_us)."""
-    return min(time_us(fn, iters=iters) for _ in range(3))
 
 
 def main() -> None:

@@ -155,6 +155,11 @@ def time_us(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def best_us(fn, iters: int = 20) -> float:
+    """Best of three `time_us` medians: for A/Bs and sweeps, where one slow replay should not decide."""
+    return min(time_us(fn, iters=iters) for _ in range(3))
+
+
 def decode_case(batch: int, ctx: int, dtype: torch.dtype, gen: torch.Generator):
     cache, table = paged([ctx] * batch, 64, dtype, gen)
     q_latent, q_rope = queries(batch, HEADS)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_attention import FP8, decode_case, time_us  # noqa: E402
+from check_attention import FP8, best_us, decode_case  # noqa: E402
 
 from moeserve.ops.triton.mla_decode import Tiles, decode_tiles, mla_decode, num_splits_for  # noqa: E402
 
@@ -28,10 +28,6 @@ SHAPES = {
 }
 LONG_SHAPES = [(32, 8, 3, 2), (64, 8, 2, 1), (64, 8, 3, 1), (32, 8, 2, 2), (64, 4, 3, 1)]
 GRAPH_KEYS = 4096
-
-
-def best_us(fn) -> float:
-    return min(time_us(fn) for _ in range(3))
 
 
 def sweep(batch: int, ctx: int, kv: str, gen: torch.Generator, shapes, early: bool, w_uv=None) -> str:

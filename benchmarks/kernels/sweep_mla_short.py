@@ -1,6 +1,6 @@
 """MLA decode at serving-length contexts: microseconds per split count and tile shape.
 
-    python benchmarks/kernels/sweep_mla_short.py [--ctx 1280] [--batches 1,8,64,256] [--wide] [--fp8]
+    python benchmarks/kernels/sweep_mla_short.py [--ctx 1280] [--batches 1,8,64,256] [--wide]
 
 The split rule is tuned here for the contexts the latency workloads decode at (1-2K keys), where
 a step reads little KV and the kernel's latency, not bandwidth, sets its time.
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_attention import FP8, decode_case, time_us  # noqa: E402
+from check_attention import decode_case, time_us  # noqa: E402
 
 from moeserve.ops.triton.mla_decode import Tiles, decode_tiles, mla_decode, num_splits_for  # noqa: E402
 
@@ -27,8 +27,6 @@ TILES = [
 ]
 # --wide: every key-tile width, warp count and stage count (shapes that do not compile are skipped).
 WIDE = [Tiles(1, 16, n, w, s, 1) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3, 4, 5)]
-# --fp8: an FP8 latent cache, and the shapes its tile rule picks from.
-FP8_TILES = [Tiles(1, 16, n, w, s, 1) for n, w, s in ((32, 8, 4), (32, 4, 4), (32, 4, 3), (32, 4, 2), (16, 4, 4), (16, 4, 3))]
 
 
 def main() -> None:
@@ -36,17 +34,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1280)
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--wide", action="store_true", help="sweep the WIDE tile grid instead of TILES")
-    ap.add_argument("--fp8", action="store_true", help="an FP8 cache, sweeping FP8_TILES")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     for batch in [int(b) for b in a.batches.split(",")]:
-        kv_dtype = FP8 if a.fp8 else torch.bfloat16
-        args, nbytes = decode_case(batch, a.ctx, kv_dtype, gen)
-        tiles = decode_tiles(16, torch.bfloat16, kv_dtype, dev, batch)
+        args, nbytes = decode_case(batch, a.ctx, torch.bfloat16, gen)
+        tiles = decode_tiles(16, torch.bfloat16, torch.bfloat16, dev, batch)
         default, graph = num_splits_for(batch, a.ctx, tiles, dev), num_splits_for(batch, 4096, tiles, dev)
         print(f"B={batch} ctx={a.ctx}: default splits {default} (eager), {graph} (graph table width 4096)")
-        for tiles in FP8_TILES if a.fp8 else WIDE if a.wide else TILES:
+        for tiles in WIDE if a.wide else TILES:
             line = []
             for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 132, 264):
                 if batch * s > 4 * 264 or s * tiles.block_n > 2 * a.ctx:

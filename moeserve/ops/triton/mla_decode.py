@@ -136,15 +136,14 @@ def _attend_tile(
 
 
 @triton.jit
-def _store_half(o, cols, q_row, head, row_ok, split, num_heads, out_ptr, part_o_ptr, stride_ot,
-                stride_oh, num_splits, LATENT: tl.constexpr, SPLIT_KV: tl.constexpr):
-    """Latent columns `cols` of the normalised output, to `out` or, with several splits, as a partial."""
+def _store_half(o, cols, q_row, head, row_ok, part, out_ptr, part_o_ptr, stride_ot, stride_oh,
+                LATENT: tl.constexpr, SPLIT_KV: tl.constexpr):
+    """Latent columns `cols` of the normalised output, to `out` or, with several splits, as partial `part`."""
     mask = row_ok[:, None] & (cols[None, :] < LATENT)
     if not SPLIT_KV:
         ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
         tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = (q_row * num_heads + head) * num_splits + split
         tl.store(part_o_ptr + part[:, None] * LATENT + cols[None, :], o, mask=mask)
 
 
@@ -156,12 +155,12 @@ def _store_result(
 ):
     """The normalised output, straight to `out` or, with several splits, as a partial + lse."""
     inv = (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-    _store_half(acc_a * inv, offs_c, q_row, head, row_ok, split, num_heads, out_ptr, part_o_ptr,
-                stride_ot, stride_oh, num_splits, LATENT, SPLIT_KV)
-    _store_half(acc_b * inv, HALF + offs_c, q_row, head, row_ok, split, num_heads, out_ptr,
-                part_o_ptr, stride_ot, stride_oh, num_splits, LATENT, SPLIT_KV)
+    part = (q_row * num_heads + head) * num_splits + split
+    _store_half(acc_a * inv, offs_c, q_row, head, row_ok, part, out_ptr, part_o_ptr, stride_ot, stride_oh,
+                LATENT, SPLIT_KV)
+    _store_half(acc_b * inv, HALF + offs_c, q_row, head, row_ok, part, out_ptr, part_o_ptr, stride_ot, stride_oh,
+                LATENT, SPLIT_KV)
     if SPLIT_KV:
-        part = (q_row * num_heads + head) * num_splits + split
         # -inf for rows with no visible key in this split (l_i = 0, m_i = -inf).
         tl.store(part_lse_ptr + part, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=row_ok)
 
