@@ -4,28 +4,45 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import fields
+
+from moeserve.config.engine_config import (
+    CUDA_GRAPH_PRESETS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    EngineConfig,
+)
+
+
+def _defaults() -> dict:
+    """EngineConfig's field defaults: the flags repeat none of them."""
+    return {f.name: f.default for f in fields(EngineConfig)}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine."""
+    """Flags shared by every command that builds an engine; defaults are EngineConfig's."""
+    d = _defaults()
     parser.add_argument(
         "--model",
         required=False,
         default=None,
         help="checkpoint folder (config.json + safetensors); default: the shipped demo model",
     )
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--chunked-prefill-size", type=int, default=8192, help="0 disables chunked prefill")
+    parser.add_argument("--dtype", default=d["dtype"], choices=DTYPES)
+    parser.add_argument("--device", default=d["device"], help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--load-format", default=d["load_format"], choices=LOAD_FORMATS)
+    parser.add_argument("--page-size", type=int, default=d["page_size"])
+    parser.add_argument("--max-model-len", type=int, default=d["max_model_len"])
+    parser.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"])
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, default=d["chunked_prefill_size"], help="0 disables chunked prefill"
+    )
     parser.add_argument(
         "--idle-step-tokens",
         type=int,
-        default=16384,
+        default=d["idle_step_tokens"],
         help="most tokens a step launched onto an idle GPU computes (overlap mode), so the GPU starts sooner",
     )
     parser.add_argument(
@@ -33,21 +50,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decodes share steps with prefill chunks (smoother inter-token latency under arrivals)",
     )
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    parser.add_argument("--mem-fraction-static", type=float, default=0.85)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=d["kv_cache_memory_gb"])
+    parser.add_argument("--mem-fraction-static", type=float, default=d["mem_fraction_static"])
+    parser.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES)
     parser.add_argument("--disable-prefix-caching", action="store_true")
-    parser.add_argument("--cuda-graph-bs", default="x2", help="x2, +64, +8 or a comma-separated list of batch sizes")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    parser.add_argument(
+        "--cuda-graph-bs",
+        default=d["cuda_graph_bs"],
+        help=f"a preset ({', '.join(CUDA_GRAPH_PRESETS)}) or a comma-separated list of batch sizes",
+    )
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=d["cuda_graph_max_bs"])
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument(
         "--cuda-graph-prefill-tokens",
-        default="64,128,256,512,1024",
+        default=d["cuda_graph_prefill_tokens"],
         help="token counts of one-prompt prefill graphs (comma-separated; '' for none)",
     )
     parser.add_argument("--disable-overlap-schedule", action="store_true")
-    parser.add_argument("--mha-threshold", type=int, default=16384, help="prefill uses MHA once sum(e*(e+p)) reaches it")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mha-threshold", type=int, default=d["mha_threshold"], help="prefill uses MHA once sum(e*(e+p)) reaches it"
+    )
+    parser.add_argument("--seed", type=int, default=d["seed"])
 
 
 def model_path(args: argparse.Namespace) -> str:
@@ -57,10 +80,8 @@ def model_path(args: argparse.Namespace) -> str:
     return args.model or default_model_path()
 
 
-def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily)
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags describe, the demo model standing in for a missing --model."""
-    from moeserve.config.engine_config import EngineConfig
-
     return EngineConfig(model=model_path(args), **engine_kwargs(args))
 
 
