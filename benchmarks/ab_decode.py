@@ -103,16 +103,17 @@ def decode_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--batch-sizes", default="1,8,64,256")
     ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
     ap.add_argument("--output", default=None, help="JSON list file the records are appended to")
     return ap
 
 
-def decode_engine(model: str, load_format: str, sizes: list[int]) -> EngineCore:
+def decode_engine(model: str, load_format: str, sizes: list[int], kv_cache_dtype: str = "auto") -> EngineCore:
     """An engine with decode graphs of exactly `sizes` and the suite's 16,384-token prompt steps."""
     return EngineCore(EngineConfig(
         model=model, load_format=load_format, max_model_len=4096, max_num_seqs=max(sizes),
         cuda_graph_bs=",".join(map(str, sizes)), cuda_graph_prefill_tokens="",
-        max_num_batched_tokens=16384, chunked_prefill_size=16384,
+        max_num_batched_tokens=16384, chunked_prefill_size=16384, kv_cache_dtype=kv_cache_dtype,
     ))  # fmt: skip
 
 
@@ -126,7 +127,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in a.variant]
     defaults = {(m, c): getattr(m, c) for _, settings in variants for m, c, _ in settings}
     sizes = [int(b) for b in a.batch_sizes.split(",")]
-    core = decode_engine(a.model, a.load_format, sizes)
+    core = decode_engine(a.model, a.load_format, sizes, a.kv_cache_dtype)
     print(f"device {torch.cuda.get_device_name()}", flush=True)
     steps_per_round = len(variants) * 8
     params = SamplingParams(max_tokens=a.rounds * steps_per_round + 16, temperature=0.0, ignore_eos=True)
@@ -153,7 +154,8 @@ def main() -> None:
         for (name, _), spec in zip(variants, a.variant, strict=True):
             r, w = statistics.median(replay[name]), statistics.median(wall[name])
             records.append(record(
-                f"ab_decode_b{bs}_{name}", "cuda", workload={"batch_size": bs, "input_len": a.input_len},
+                f"ab_decode_b{bs}_{name}", "cuda",
+                workload={"batch_size": bs, "input_len": a.input_len, "kv_cache_dtype": a.kv_cache_dtype},
                 variant=spec, replay_ms=round(r, 4), step_wall_ms=round(w, 4), vs_first=round(r / base - 1, 4),
                 replay_rounds_ms=[round(x, 4) for x in replay[name]],
             ))  # fmt: skip

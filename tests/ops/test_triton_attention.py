@@ -244,10 +244,10 @@ def test_gpu_mla_decode_real_shapes(heads, page_size, kv_dtype, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("batch", [2, 20, 40, 60, 100, 200])
+@pytest.mark.parametrize("batch", [1, 2, 6, 20, 40, 60, 100, 200])
 def test_gpu_mla_decode_every_tile_rule(batch, kv_dtype, poisoned):
-    """Each batch range that decode_tiles gives a shape of its own (bf16: 2-32, 33-128, past 128;
-    FP8: 9-48, 49-64, 65-128, past 128), on ragged contexts."""
+    """Each batch range that decode_tiles gives a shape of its own (bf16: 1, 2-32, 33-128, past 128;
+    FP8: 1 and 5-8, 2-4, 9-32, 33-128, past 128), on ragged contexts."""
     gen = torch.Generator().manual_seed(batch)
     lens = torch.randint(1, 1500, (batch,), generator=gen).tolist()
     check_decode(lens, 16, RANK, ROPE, 64, torch.bfloat16, kv_dtype, gen)

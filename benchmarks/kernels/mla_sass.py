@@ -1,0 +1,81 @@
+"""What the MLA split kernel compiles to on sm_90, without a GPU: registers, spills, shared memory
+and an instruction census of the SASS (ptxas and cuobjdump ship with Triton).
+
+    python benchmarks/kernels/mla_sass.py [--kv bf16|fp8] [--tile 32,4,2] [--top 14]
+
+The kernel is compiled with the facts the engine's launches give Triton (16-byte divisible
+pointers and strides), so loads vectorise as they do on the device. Useful to see, for instance,
+that FP8 tiles widen to bfloat16 in three instructions a pair against float16's one, and that
+Triton reads the 8-bit tile from shared memory a byte at a time for the value matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.backends.nvidia
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moeserve.ops.triton.mla_decode import _mla_split_kernel
+
+POINTERS = {"q_lat_ptr": "*bf16", "q_rope_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "qstart_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+DIVISIBLE = ("stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_page", "stride_slot", "stride_ot",
+             "stride_oh", "num_heads")
+CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+
+
+def compile_split(kv: str, block_n: int, warps: int, stages: int):
+    """The decode split kernel (V2-Lite's 16 heads, rank 512 + 64) for an sm_90 target."""
+    fp8 = kv == "fp8"
+    consts = dict(LATENT=512, ROPE=64, HALF=256, BLOCK_P=64, BLOCK_Q=1, BLOCK_H=16, BLOCK_N=block_n, PAGE_SIZE=16,
+                  SPLIT_KV=False, DECODE=True, EARLY_TILE=False, RELOAD=fp8, COMPUTE=tl.bfloat16, PRECISION="tf32",
+                  PDL=True)  # fmt: skip
+    names = _mla_split_kernel.arg_names
+    signature = {}
+    for name in names:
+        if name == "kv_ptr":
+            signature[name] = "*fp8e4nv" if fp8 else "*bf16"
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+        elif name in consts:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "fp32" if name in ("qk_scale", "out_scale") else "i32"
+    divisible = [i for i, n in enumerate(names) if signature[n].startswith("*") or n in DIVISIBLE]
+    source = ASTSource(fn=_mla_split_kernel, signature=signature,
+                       constexprs={(names.index(c),): v for c, v in consts.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in divisible})  # fmt: skip
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv", choices=["bf16", "fp8"], default="fp8")
+    ap.add_argument("--tile", default="32,4,2", help="key tile, warps, stages")
+    ap.add_argument("--top", type=int, default=14)
+    a = ap.parse_args()
+    block_n, warps, stages = (int(x) for x in a.tile.split(","))
+    kernel = compile_split(a.kv, block_n, warps, stages)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+    resources = " ".join(re.findall(r"(?:REG|STACK):\d+", usage))
+    print(f"{a.kv} {a.tile}: {resources} shared {kernel.metadata.shared} B, {len(opcodes)} instructions")
+    for op, n in collections.Counter(opcodes).most_common(a.top):
+        print(f"  {n:6d} {op}")
+
+
+if __name__ == "__main__":
+    main()
