@@ -5,8 +5,9 @@ and an instruction census of the SASS (ptxas and cuobjdump ship with Triton).
 
 The kernel is compiled with the facts the engine's launches give Triton (16-byte divisible
 pointers and strides), so loads vectorise as they do on the device. Useful to see, for instance,
-that FP8 tiles widen to bfloat16 in three instructions a pair against float16's one, and that
-Triton reads the 8-bit tile from shared memory a byte at a time for the value matmul.
+that FP8 tiles widen to bfloat16 in three instructions a pair against float16's one
+(--bf16-matmuls), and that Triton reads the 8-bit tile from shared memory a byte at a time for
+the value matmul.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ DIVISIBLE = ("stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_page", 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 
 
-def compile_split(kv: str, block_n: int, warps: int, stages: int):
-    """The decode split kernel (V2-Lite's 16 heads, rank 512 + 64) for an sm_90 target."""
+def compile_split(kv: str, block_n: int, warps: int, stages: int, f16: bool):
+    """The decode split kernel (V2-Lite's 16 heads, rank 512 + 64) for an sm_90 target; `f16`: an
+    FP8 cache's matmuls in float16 (as the engine runs them with FP8_F16_MATMULS)."""
     fp8 = kv == "fp8"
+    saturate = fp8 and f16
     consts = dict(LATENT=512, ROPE=64, HALF=256, BLOCK_P=64, BLOCK_Q=1, BLOCK_H=16, BLOCK_N=block_n, PAGE_SIZE=16,
-                  SPLIT_KV=False, DECODE=True, EARLY_TILE=False, RELOAD=fp8, COMPUTE=tl.bfloat16, PRECISION="tf32",
-                  PDL=True)  # fmt: skip
+                  SPLIT_KV=False, DECODE=True, EARLY_TILE=False, RELOAD=fp8,
+                  COMPUTE=tl.float16 if saturate else tl.bfloat16, PRECISION="tf32", PDL=True,
+                  SATURATE=saturate)  # fmt: skip
     names = _mla_split_kernel.arg_names
     signature = {}
     for name in names:
@@ -62,15 +66,16 @@ def main() -> None:
     ap.add_argument("--kv", choices=["bf16", "fp8"], default="fp8")
     ap.add_argument("--tile", default="32,4,2", help="key tile, warps, stages")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--bf16-matmuls", action="store_true", help="FP8: widen to bfloat16 (FP8_F16_MATMULS off)")
     a = ap.parse_args()
     block_n, warps, stages = (int(x) for x in a.tile.split(","))
-    kernel = compile_split(a.kv, block_n, warps, stages)
+    kernel = compile_split(a.kv, block_n, warps, stages, f16=not a.bf16_matmuls)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
-    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
     resources = " ".join(re.findall(r"(?:REG|STACK):\d+", usage))
     print(f"{a.kv} {a.tile}: {resources} shared {kernel.metadata.shared} B, {len(opcodes)} instructions")
     for op, n in collections.Counter(opcodes).most_common(a.top):

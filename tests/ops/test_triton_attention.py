@@ -15,6 +15,7 @@ import torch
 import triton
 
 from moeserve.ops.reference import attention as ref
+from moeserve.ops.triton import mla_decode as mla_decode_module
 from moeserve.ops.triton.flash_attention import varlen_attention
 from moeserve.ops.triton.gather_kv import gather_kv
 from moeserve.ops.triton.mla_decode import Tiles, mla_decode
@@ -251,6 +252,31 @@ def test_gpu_mla_decode_every_tile_rule(batch, kv_dtype, poisoned):
     gen = torch.Generator().manual_seed(batch)
     lens = torch.randint(1, 1500, (batch,), generator=gen).tolist()
     check_decode(lens, 16, RANK, ROPE, 64, torch.bfloat16, kv_dtype, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("f16", [True, False])
+def test_gpu_mla_decode_fp8_matmul_dtypes(f16, monkeypatch, poisoned):
+    """FP8 tiles widened to float16 (the default) or bfloat16 both match the reference."""
+    monkeypatch.setattr(mla_decode_module, "FP8_F16_MATMULS", f16)
+    gen = torch.Generator().manual_seed(11)
+    for batch in (1, 40, 200):
+        lens = torch.randint(1, 1500, (batch,), generator=gen).tolist()
+        check_decode(lens, 16, RANK, ROPE, 16, torch.bfloat16, FP8, gen)
+
+
+@pytest.mark.gpu
+def test_gpu_mla_decode_fp8_saturates_a_huge_query(poisoned):
+    """Float16 matmuls clamp a query value past float16's range instead of turning scores to NaN."""
+    gen = torch.Generator().manual_seed(5)
+    cache, table = paged_cache([300, 40], 16, RANK + ROPE, FP8, gen, 0.5)
+    q_latent, q_rope = mla_inputs(2, 16, RANK, ROPE, torch.bfloat16, gen)
+    q_latent[0, 0, 0] = 1e6
+    lens = torch.tensor([300, 40], dtype=torch.int32, device=DEVICE)
+    got = mla_decode(q_latent, q_rope, cache, table, lens, 1e-6, 0.5)
+    want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 1e-6, 0.5)
+    assert torch.isfinite(got).all()
+    assert rel_err(got[1], want[1]) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

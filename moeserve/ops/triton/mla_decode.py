@@ -11,8 +11,10 @@ these kernels for prefill chunks (BLOCK_Q > 1, causal).
 At batch 1, decode loads each split's first tile before waiting on the previous kernel (PDL),
 all but the newest key, which this step's store may just have written.
 
-An FP8 cache holds value / kv_scale: tiles are widened to the compute dtype and kv_scale is
-folded into the score scale and the output. Scores use exp2, so lse is kept in base 2.
+An FP8 cache holds value / kv_scale: tiles are widened to float16 for the matmuls (one
+instruction a pair of values; bfloat16 takes one more a value), the query saturating at float16's
+range, and kv_scale is folded into the score scale and the output. Scores use exp2, so lse is
+kept in base 2.
 """
 
 from __future__ import annotations
@@ -36,8 +38,20 @@ MIN_SPLIT_KEYS = 32
 MAX_SPLITS = 512
 # FP8 cache, 33-128 decode rows: programs an SM the split count aims at (decode_tiles).
 FP8_MID_CTAS = 2
+# FP8 tiles widen to float16 for the matmuls: one conversion a pair of values, where bfloat16
+# takes a second (F2F) per value. Query values past float16's range saturate (SATURATE).
+FP8_F16_MATMULS = True
+F16_MAX = tl.constexpr(65504.0)
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _as_compute(q, COMPUTE: tl.constexpr, SATURATE: tl.constexpr):
+    """Query values in the matmuls' dtype, clamped to its range first when SATURATE."""
+    if SATURATE:
+        return tl.clamp(q.to(tl.float32), -F16_MAX, F16_MAX).to(COMPUTE)
+    return q.to(COMPUTE)
 
 
 @triton.jit
@@ -212,7 +226,7 @@ def _mla_split_kernel(
     LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, EARLY_TILE: tl.constexpr, RELOAD: tl.constexpr,
-    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SATURATE: tl.constexpr,
 ):
     if not EARLY_TILE:
         wait_for_prior_grid(PDL)
@@ -245,12 +259,15 @@ def _mla_split_kernel(
             LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
         )
     q_ptrs = q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :]
-    q_a = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0).to(COMPUTE)
-    q_b = tl.load(q_ptrs + HALF, mask=row_ok[:, None] & (HALF + offs_c[None, :] < LATENT), other=0.0).to(COMPUTE)
+    q_a = _as_compute(tl.load(q_ptrs, mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0), COMPUTE, SATURATE)
+    q_b = _as_compute(
+        tl.load(q_ptrs + HALF, mask=row_ok[:, None] & (HALF + offs_c[None, :] < LATENT), other=0.0), COMPUTE, SATURATE
+    )
     q_rope = tl.load(
         q_rope_ptr + q_row[:, None] * stride_rt + head[:, None] * stride_rh + offs_p[None, :],
         mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0,
-    ).to(COMPUTE)
+    )
+    q_rope = _as_compute(q_rope, COMPUTE, SATURATE)
     acc_a = tl.zeros([BLOCK_Q * BLOCK_H, HALF], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_Q * BLOCK_H, HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -352,6 +369,9 @@ def run_absorbed(
     kv_scale = float(kv_scale) if fp8 else 1.0
     # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
     compute = _COMPUTE[q_latent.dtype] if q_latent.is_cuda else tl.float32
+    saturate = fp8 and compute == tl.bfloat16 and FP8_F16_MATMULS
+    if saturate:
+        compute = tl.float16
     decode = query_start_loc is None
     qstart = seq_lens if decode else query_start_loc
     num_q_blocks = triton.cdiv(max_query_len, tiles.block_q)
@@ -370,7 +390,7 @@ def run_absorbed(
         HALF=max(16, triton.next_power_of_2(rank) // 2), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
         SPLIT_KV=num_splits > 1, DECODE=decode, EARLY_TILE=decode and tiles.early_tile,
-        RELOAD=fp8 and compute != tl.float32, COMPUTE=compute,
+        RELOAD=fp8 and compute != tl.float32, COMPUTE=compute, SATURATE=saturate,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
