@@ -105,6 +105,33 @@ def check_decode(seq_lens, heads, rank, rope, page_size, q_dtype, kv_dtype, gen,
     assert rel_err(got, want) < (tol or TOL[q_dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("walk", ["rising", "random"])
+def test_mla_decode_running_max_that_moves(walk, kv_dtype, poisoned):
+    """Scores whose maximum keeps rising (by about 18 in log2 units a 16-key tile) or wanders: the
+    online softmax's rescaling of the accumulators and the sum keeps the result exact."""
+    gen = torch.Generator().manual_seed(3)
+    heads, rank, rope, page_size, n = 2, 32, 16, 16, 100
+    direction = torch.randn(rank + rope, generator=gen)
+    if walk == "rising":
+        level = torch.arange(n, dtype=torch.float32) * 0.8
+    else:
+        level = torch.cumsum(torch.randn(n, generator=gen) * 3.0, 0)
+    rows = level[:, None] * direction[None, :] / direction.norm() ** 2 + 0.05 * torch.randn(n, rank + rope, generator=gen)
+    cache = torch.zeros(-(-n // page_size) + 1, page_size, rank + rope)
+    cache[1:].view(-1, rank + rope)[:n] = rows
+    kv_scale = 0.5 if kv_dtype == FP8 else 1.0
+    cache = (ref.quantize_kv(cache, FP8, kv_scale) if kv_dtype == FP8 else cache).to(DEVICE)
+    table = torch.arange(1, cache.shape[0] + 1, dtype=torch.int32, device=DEVICE)[None, :]
+    q = direction.repeat(1, heads, 1) * torch.tensor([1.0, -0.5]).view(1, heads, 1)
+    q_latent, q_rope = q[..., :rank].contiguous().to(DEVICE), q[..., rank:].contiguous().to(DEVICE)
+    lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 1.0, kv_scale)
+    got = mla_decode(q_latent, q_rope, cache, table, lens, 1.0, kv_scale, num_splits=2)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < (2e-4 if kv_dtype == torch.float32 else 1e-2)
+
+
 def check_extend(seq_lens, query_lens, heads, rank, rope, page_size, q_dtype, kv_dtype, gen, num_splits=None):
     kv_scale = 0.5 if kv_dtype == FP8 else 1.0
     cache, table = paged_cache(seq_lens, page_size, rank + rope, kv_dtype, gen, kv_scale)
