@@ -55,6 +55,22 @@ def _as_compute(q, COMPUTE: tl.constexpr, SATURATE: tl.constexpr):
 
 
 @triton.jit
+def _load_query(
+    q_lat_ptr, q_rope_ptr, q_row, head, row_ok, offs_c, offs_p, stride_qt, stride_qh, stride_rt, stride_rh,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, COMPUTE: tl.constexpr, SATURATE: tl.constexpr,
+):
+    """The program's query rows in the matmuls' dtype -> (latent halves, rotary part)."""
+    q_ptrs = q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :]
+    q_a = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0)
+    q_b = tl.load(q_ptrs + HALF, mask=row_ok[:, None] & (HALF + offs_c[None, :] < LATENT), other=0.0)
+    q_rope = tl.load(
+        q_rope_ptr + q_row[:, None] * stride_rt + head[:, None] * stride_rh + offs_p[None, :],
+        mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0,
+    )
+    return _as_compute(q_a, COMPUTE, SATURATE), _as_compute(q_b, COMPUTE, SATURATE), _as_compute(q_rope, COMPUTE, SATURATE)
+
+
+@triton.jit
 def _load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr, CACHE: tl.constexpr):
     """The page holding each key offs_n (the scratch page 0 from hi on); ".cg" (L2 only) where it
     is read before the wait (_first_tile_then_wait)."""
@@ -258,16 +274,10 @@ def _mla_split_kernel(
             kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
             LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
         )
-    q_ptrs = q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_c[None, :]
-    q_a = _as_compute(tl.load(q_ptrs, mask=row_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0), COMPUTE, SATURATE)
-    q_b = _as_compute(
-        tl.load(q_ptrs + HALF, mask=row_ok[:, None] & (HALF + offs_c[None, :] < LATENT), other=0.0), COMPUTE, SATURATE
+    q_a, q_b, q_rope = _load_query(
+        q_lat_ptr, q_rope_ptr, q_row, head, row_ok, offs_c, offs_p, stride_qt, stride_qh, stride_rt, stride_rh,
+        LATENT, ROPE, HALF, COMPUTE, SATURATE,
     )
-    q_rope = tl.load(
-        q_rope_ptr + q_row[:, None] * stride_rt + head[:, None] * stride_rh + offs_p[None, :],
-        mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0,
-    )
-    q_rope = _as_compute(q_rope, COMPUTE, SATURATE)
     acc_a = tl.zeros([BLOCK_Q * BLOCK_H, HALF], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_Q * BLOCK_H, HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -334,6 +344,15 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"MLA attention: block table {tuple(block_table.shape)} must be [B, max_pages], rows contiguous")
 
 
+def _matmul_dtype(q_latent: torch.Tensor, fp8: bool) -> tuple[tl.dtype, bool]:
+    """The split kernel's matmul dtype, and whether the query must saturate into it (float16)."""
+    if not q_latent.is_cuda:
+        return tl.float32, False  # the interpreter's dot mishandles 16-bit floats
+    if fp8 and q_latent.dtype == torch.bfloat16 and FP8_F16_MATMULS:
+        return tl.float16, True
+    return _COMPUTE[q_latent.dtype], False
+
+
 def run_absorbed(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -367,11 +386,7 @@ def run_absorbed(
         return out
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     kv_scale = float(kv_scale) if fp8 else 1.0
-    # The interpreter's dot mishandles 16-bit floats, so CPU runs compute in float32.
-    compute = _COMPUTE[q_latent.dtype] if q_latent.is_cuda else tl.float32
-    saturate = fp8 and compute == tl.bfloat16 and FP8_F16_MATMULS
-    if saturate:
-        compute = tl.float16
+    compute, saturate = _matmul_dtype(q_latent, fp8)
     decode = query_start_loc is None
     qstart = seq_lens if decode else query_start_loc
     num_q_blocks = triton.cdiv(max_query_len, tiles.block_q)
