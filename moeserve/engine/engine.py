@@ -82,7 +82,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(engine.seed)
         self._in_flight: tuple[ScheduleBatch, StepHandle] | None = None
-        self._added = self._added_at_freeze = 0
+        self._unfrozen_requests = False  # added since the last freeze
         # Everything built so far lives as long as the engine: frozen, a full collection no
         # longer walks it (on the V2-Lite GPU engine a gen-2 pass took 150 ms, once mid-benchmark).
         gc.collect()
@@ -195,7 +195,7 @@ class EngineCore:
         )
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        self._added += 1
+        self._unfrozen_requests = True
         return req
 
     def abort_request(self, request_id: str, reason: str = "abort") -> EngineCoreOutput | None:
@@ -234,10 +234,10 @@ class EngineCore:
         at a freeze would be kept for good, so a collection over what is not yet frozen (what
         came since the last freeze) goes first. Called after a launch, so the GPU hides it.
         """
-        if self._added != self._added_at_freeze:
+        if self._unfrozen_requests:
             gc.collect()
             gc.freeze()
-            self._added_at_freeze = self._added
+            self._unfrozen_requests = False
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; report every request's new token.
