@@ -27,7 +27,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts, record, write_results  # noqa: E402
-from moeserve.config.engine_config import EngineConfig  # noqa: E402
+from moeserve.config.engine_config import KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 from moeserve.executor.cuda_graph import CudaGraphRunner  # noqa: E402
 
@@ -103,7 +103,7 @@ def decode_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--batch-sizes", default="1,8,64,256")
     ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--output", default=None, help="JSON list file the records are appended to")
     return ap
 
