@@ -126,42 +126,40 @@ def _tile_matmul(x_ptr, x_rows, x_mask, w_ptr, w_rows, w_mask,
 
 
 @triton.jit
-def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, row_a, row_b,
-                     K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TWO: tl.constexpr, X_TMA: tl.constexpr):
-    """(acc_a, acc_b) fp32 [BLOCK_M, BLOCK_N] = X[x_rows] @ W[row_a + n]^T (and W[row_b + n]^T when TWO).
+def _tile_matmul_tma(x_ptr, x_rows, x_mask, w_desc, expert, n0, N: tl.constexpr,
+                     K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr, X_TMA: tl.constexpr):
+    """fp32 [BLOCK_M, ROWS] = X[x_rows] @ W_tile^T, the weight tile by TMA.
 
-    Weight tiles come through the tensor-memory accelerator (one bulk copy a tile, no address
-    arithmetic per thread). Gathered token rows use ordinary loads; with X_TMA (MODE dot) `x_ptr`
-    is a descriptor and the rows are the contiguous x_rows .. x_rows + BLOCK_M - 1.
+    The tile is rows n0 .. n0 + ROWS - 1 of the expert's N rows (a descriptor over [E * N, K]),
+    or with PAIRED (the gate/up GEMM, a descriptor over w13 viewed as [E, I, 2, K]) ROWS / 2 gate
+    rows from n0 interleaved with the same up rows: one bulk copy, one MMA of both. Gathered
+    token rows use ordinary loads; with X_TMA (MODE dot) `x_ptr` is a descriptor and the rows are
+    the contiguous x_rows .. x_rows + BLOCK_M - 1.
     """
     offs_k = tl.arange(0, BLOCK_K)
     if MODE == 1:
-        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
     else:
-        acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros_like(acc_a)
+        acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        wa = w_desc.load([row_a, k0])
-        wb = w_desc.load([row_b, k0]) if TWO else wa
+        if PAIRED:
+            w = tl.reshape(w_desc.load([expert.to(tl.int32), n0, 0, k0]), [ROWS, BLOCK_K])
+        else:
+            w = w_desc.load([(expert * N + n0).to(tl.int32), k0])
         if X_TMA:
             x = x_ptr.load([x_rows, k0])
         else:
             x = _token_rows(x_ptr, x_rows, x_mask, k0, offs_k, K, MODE == 1)
         if PRECISION == "ieee":
-            x, wa, wb = x.to(tl.float32), wa.to(tl.float32), wb.to(tl.float32)
+            x, w = x.to(tl.float32), w.to(tl.float32)
         if MODE == 1:
-            acc_a = tl.dot(wa, x, acc_a, input_precision=PRECISION)
-            if TWO:
-                acc_b = tl.dot(wb, x, acc_b, input_precision=PRECISION)
+            acc = tl.dot(w, x, acc, input_precision=PRECISION)
         else:
-            acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
-            if TWO:
-                acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if MODE == 1:
-        acc_a = tl.trans(acc_a)
-        acc_b = tl.trans(acc_b)
-    return acc_a, acc_b
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_m"])
@@ -175,8 +173,8 @@ def _moe_up_kernel(
 ):
     """act[pair, n] = silu(x @ gate_n) * (x @ up_n) for one block of pairs and BLOCK_N columns.
 
-    With TMA, `w_ptr` is a descriptor over the weights as [E * 2I, H] rows. With ACT_TMA the
-    row of a pair in `act` is its place in the sorted layout, not its flat index.
+    With TMA, `w_ptr` is a descriptor over the weights as [E, I, 2, H] (gate and up rows paired).
+    With ACT_TMA the row of a pair in `act` is its place in the sorted layout, not its flat index.
     """
     wait_for_prior_grid(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
@@ -184,19 +182,18 @@ def _moe_up_kernel(
                                        TOPK, K_PAD, DENSE, BLOCK_M)
     if expert < 0:
         return
+    # Gate and up rows interleaved so one MMA of 2 * BLOCK_N rows computes both; split after.
     if TMA:
-        # A last tile past INTER reads the next rows (up, or zeros past the end); those columns are not stored.
-        gate_row = (expert * 2 * INTER + pid_n * BLOCK_N).to(tl.int32)
-        gate, up = _tile_matmul_tma(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr, gate_row, gate_row + INTER,
-                                    HIDDEN, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, True, False)
+        # Rows past INTER come back as zeros (outside the descriptor's I); their columns are not stored.
+        acc = _tile_matmul_tma(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr, expert, pid_n * BLOCK_N, INTER,
+                               HIDDEN, MODE, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION, True, False)
     else:
-        # Gate and up rows interleaved so one MMA of 2 * BLOCK_N rows computes both; split after.
         r = tl.arange(0, 2 * BLOCK_N)
         n = pid_n * BLOCK_N + r // 2
         w_rows = ((r % 2) * INTER + n).to(tl.int64) * stride_wn
         acc = _tile_matmul(x_ptr, (flat // TOPK) * stride_xt, row_ok, w_ptr + expert * stride_we, w_rows,
                            n < INTER, HIDDEN, MODE, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     act = gate * tl.sigmoid(gate) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) if ACT_TMA else flat
@@ -212,13 +209,12 @@ def _down_tile(act_ptr, w_ptr, out_ptr, weights_ptr, pid_m, pid_n, expert, flat,
     """out rows of one (m block, n tile): routing weight * (act @ down_n), scattered to pair order."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
-        row = (expert * HIDDEN + pid_n * BLOCK_N).to(tl.int32)
         if ACT_TMA:
-            acc, _ = _tile_matmul_tma(act_ptr, (pid_m * BLOCK_M).to(tl.int32), row_ok, w_ptr, row, row,
-                                      INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False, True)
+            acc = _tile_matmul_tma(act_ptr, (pid_m * BLOCK_M).to(tl.int32), row_ok, w_ptr, expert, pid_n * BLOCK_N,
+                                   HIDDEN, INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False, True)
         else:
-            acc, _ = _tile_matmul_tma(act_ptr, flat * stride_at, row_ok, w_ptr, row, row,
-                                      INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False, False)
+            acc = _tile_matmul_tma(act_ptr, flat * stride_at, row_ok, w_ptr, expert, pid_n * BLOCK_N,
+                                   HIDDEN, INTER, MODE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, False, False)
     else:
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) if ACT_TMA else flat
         acc = _tile_matmul(act_ptr, rows * stride_at, row_ok, w_ptr + expert * stride_we,
@@ -365,12 +361,18 @@ def _launch_args(plan: RoutePlan, part: str, x: torch.Tensor, w: torch.Tensor) -
     }
 
 
-def _weights_arg(w: torch.Tensor, args: dict) -> torch.Tensor | TensorDescriptor:
-    """The weights as the kernel takes them: a pointer, or with TMA a descriptor over [E * N, K] rows."""
+def _weights_arg(w: torch.Tensor, args: dict, paired: bool = False) -> torch.Tensor | TensorDescriptor:
+    """The weights as the kernel takes them: a pointer, or with TMA a descriptor over [E * N, K] rows;
+    `paired` (w13): over [E, I, 2, K], so one box holds BLOCK_N gate rows interleaved with their up rows."""
     if not args["TMA"]:
         return w
+    bn, bk = args["BLOCK_N"], args["BLOCK_K"]
+    if paired:
+        experts, inter, k = w.shape[0], w.shape[1] // 2, w.shape[2]
+        strides = [w.stride(0), w.stride(1), inter * w.stride(1), 1]
+        return TensorDescriptor(w, [experts, inter, 2, k], strides, [1, bn, 2, bk])
     rows = w.view(-1, w.shape[2])
-    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [args["BLOCK_N"], args["BLOCK_K"]])
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [bn, bk])
 
 
 def _launch(kernel, grid: tuple[int], compile_only: bool, *args, **kwargs) -> None:
@@ -388,7 +390,7 @@ def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_onl
     rows = plan.num_m * plan.config["BLOCK_M"] if _act_tma(plan) else plan.num_tokens * plan.topk
     act = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)
     args = _launch_args(plan, "up", hidden, w13)
-    weights = _weights_arg(w13, args)
+    weights = _weights_arg(w13, args, paired=True)
     grid = (plan.num_m * triton.cdiv(inter, args["BLOCK_N"]),)
     _launch(
         _moe_up_kernel, grid, compile_only,
