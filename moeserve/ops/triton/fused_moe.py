@@ -12,7 +12,10 @@ Tiles are multiplied three ways (`MODE`): `dot` (tl.dot, tokens on the MMA's M s
 tl.dot; multiply-reduce one row at a time, for 1-8 rows, where an MMA tile would be mostly padding).
 A GEMM's config may ask for `TMA`: its weight tiles then arrive by bulk tensor copies from a
 descriptor (Hopper's tensor-memory accelerator) instead of per-thread loads, which lifts the
-compute-bound prefill sizes; the gathered token rows are ordinary loads. A sorted `dot` config
+compute-bound prefill sizes; the gathered token rows are ordinary loads. The gate/up GEMM's box
+holds BLOCK_N gate rows interleaved with the same up rows (a 4-D descriptor over w13), so one MMA
+of twice the width computes both and reads the token tile from shared memory once (H200, 131K
+prompt tokens: 13.9-14.7 -> 13.3-13.5 ms, 16K: 2.01 -> 1.87-1.90 ms). A sorted `dot` config
 may also set `ACT_TMA`: the gate/up GEMM then writes its activations in block order (a pair's row
 is its place in the sorted layout) instead of pair order, so the down GEMM reads each block's rows
 as one contiguous tile, by TMA too; its config may then make the down GEMM `PERSISTENT`: one
