@@ -327,6 +327,29 @@ def test_gpu_every_mode_and_load(name, pattern, poisoned):
     assert rel_err(got, ref.fused_moe(x32, w13_32, w2_32, weights, ids)) < 3e-4
 
 
+def shipped_configs() -> list:
+    """(file, bucket, config) of every tuned config shipped for V2-Lite's experts (66 with the shared
+    ones fused), whatever the GPU they were tuned on: any Hopper runs them."""
+    out = []
+    for path in sorted(moe_config.CONFIG_DIR.glob("E=6[46],I=1408,H=2048,*.json")):
+        raw = json.loads(path.read_text())
+        file = path.name.split(",")[0]
+        out += [pytest.param(file, int(k), v, id=f"{file}-{k}") for k, v in raw.items() if k != "_meta"]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("file", "bucket", "config"), shipped_configs())
+def test_gpu_every_shipped_config(file, bucket, config, poisoned):
+    """Each shipped tile (the paired gate/up TMA box at every BLOCK_N / BLOCK_K the tuner kept among
+    them) matches the reference at its bucket's token count (capped: the reference is slow)."""
+    experts, topk = (66, 8) if file == "E=66" else (64, 6)
+    tokens = min(bucket, 4096)
+    x, w13, w2, weights, ids = make_case(tokens, experts, 2048, 1408, topk, torch.bfloat16, "random", bucket)
+    got = fused_moe(x, w13, w2, weights, ids, config=config)
+    assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < 1e-2
+
+
 @pytest.mark.gpu
 def test_gpu_fused_moe_is_graph_capturable():
     experts, hidden, inter, topk = V2_LITE
