@@ -151,6 +151,21 @@ DOWN_WS = [
 ]
 
 
+V2_LITE_MOE = (64, 2048, 1408, 6)  # experts, hidden, inter, top-k
+
+
+def prompt_cases(token_counts: list[int]):
+    """Yield (tokens, inputs, tuned config, route plan, L2 flush buffer) for each count, on one set of
+    random V2-Lite-shaped expert weights (bf16, on the GPU)."""
+    experts, hidden_size, inter, topk = V2_LITE_MOE
+    weights = make_weights(experts, hidden_size, inter, torch.bfloat16, "cuda")
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    for tokens in token_counts:
+        inp = make_inputs(tokens, weights, topk)
+        config = get_config(inp["hidden"], inp["w13"], topk)
+        yield tokens, inp, config, plan_route(inp["weights"], inp["ids"], experts, config), flush
+
+
 def main() -> None:
     """Run every measurement at the --tokens sizes and print it."""
     import argparse
@@ -161,14 +176,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    experts, hidden_size, inter, topk = 64, 2048, 1408, 6
-    weights = make_weights(experts, hidden_size, inter, torch.bfloat16, "cuda")
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        inp = make_inputs(tokens, weights, topk)
+    experts, hidden_size, inter, topk = V2_LITE_MOE
+    for tokens, inp, config, plan, flush in prompt_cases([int(t) for t in args.tokens.split(",")]):
         hidden, w13, w2 = inp["hidden"], inp["w13"], inp["w2"]
-        config = get_config(hidden, w13, topk)
-        plan = plan_route(inp["weights"], inp["ids"], experts, config)
         _, _, num_padded = moe_align(plan.ids, experts, config["BLOCK_M"])
         pairs = tokens * topk
         up_flop = 2 * pairs * hidden_size * 2 * inter

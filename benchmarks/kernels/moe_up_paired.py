@@ -21,18 +21,15 @@ import torch
 # Appended, not prepended: a PYTHONPATH pointing at another moeserve tree (an A/B baseline) wins.
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from moeserve.ops.triton.fused_moe import RoutePlan, moe_up, plan_route  # noqa: E402
-from moeserve.ops.triton.moe_config import get_config  # noqa: E402
-from moeserve.ops.triton.tune_moe import make_inputs, make_weights, time_us  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_prefill_variants import V2_LITE_MOE, prompt_cases  # noqa: E402
+
+from moeserve.ops.triton.fused_moe import moe_up  # noqa: E402
+from moeserve.ops.triton.tune_moe import _with, time_us  # noqa: E402
 
 TILES = [  # BLOCK_N (of each of gate and up), BLOCK_K, warps, stages, GROUP_M; all with TMA
     (128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (128, 64, 8, 3, 16), (64, 64, 8, 4, 8), (64, 128, 8, 3, 8),
 ]
-
-
-def with_up(plan: RoutePlan, up: dict) -> RoutePlan:
-    """`plan` with another gate/up tile."""
-    return RoutePlan(**{**plan.__dict__, "config": {**plan.config, "up": up}})
 
 
 def main() -> None:
@@ -42,14 +39,9 @@ def main() -> None:
     ap.add_argument("--shipped-only", action="store_true", help="only the tuned tile (an A/B of two trees)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    experts, hidden_size, inter, topk = 64, 2048, 1408, 6
-    weights = make_weights(experts, hidden_size, inter, torch.bfloat16, "cuda")
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        inp = make_inputs(tokens, weights, topk)
+    _, hidden_size, inter, topk = V2_LITE_MOE
+    for tokens, inp, config, plan, flush in prompt_cases([int(t) for t in args.tokens.split(",")]):
         hidden, w13 = inp["hidden"], inp["w13"]
-        config = get_config(hidden, w13, topk)
-        plan = plan_route(inp["weights"], inp["ids"], experts, config)
         flop = 2 * tokens * topk * hidden_size * 2 * inter
         ref = moe_up(hidden, w13, plan)
         # In block order (ACT_TMA) the padding rows of each block are never written: compare real rows.
@@ -61,7 +53,7 @@ def main() -> None:
             up = {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages,
                   "TMA": True}
             try:
-                other = with_up(plan, up)
+                other = _with(plan, "up", up)
                 err = (moe_up(hidden, w13, other)[real].float() - ref[real].float()).abs().max().item()
                 t = time_us(lambda h=hidden, w=w13, p=other: moe_up(h, w, p), 10, flush)
                 print(f"  {up}: {t:.1f} us ({flop / t / 1e6:.0f} TF/s) err {err:.3g}", flush=True)
