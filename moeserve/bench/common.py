@@ -55,13 +55,16 @@ def _command() -> str:
 
 
 def record(name: str, device: str, **fields: Any) -> dict:
-    """A result object with the fields every benchmark file carries."""
+    """A result object with the fields every benchmark file carries (out_tok_s and seconds are
+    None for rows that time something other than a generation workload)."""
     return {
         "name": name,
         "device": device_name(device),
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
         "command": _command(),
+        "out_tok_s": None,
+        "seconds": None,
         **fields,
     }
 
