@@ -109,16 +109,20 @@ def moe_one_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, id
     return out
 
 
-def two_kernels(inputs: dict, plan) -> torch.Tensor:
-    """The shipped path: gate/up then down, one output row per slot."""
-    return fm.moe_down(fm.moe_up(inputs["hidden"], inputs["w13"], plan), inputs["w2"], plan)
+def two_kernels(layer: dict, x: torch.Tensor) -> torch.Tensor:
+    """The shipped path on token x: gate/up then down, one output row per slot."""
+    return fm.moe_down(fm.moe_up(x, layer["w13"], layer["plan"]), layer["w2"], layer["plan"])
 
 
-def check(inputs: dict, plan, variant: tuple) -> float:
+def one_kernel(layer: dict, x: torch.Tensor, out: torch.Tensor, variant: tuple) -> torch.Tensor:
+    """This file's kernel on token x, adding into the zeroed float32 row `out`."""
+    return moe_one_kernel(x, layer["w13"], layer["w2"], layer["ids"], layer["weights"], out, variant)
+
+
+def check(layer: dict, variant: tuple) -> float:
     """Largest difference from the two-kernel path's slot sum, over that sum's largest value."""
-    want = two_kernels(inputs, plan).float().sum(0)
-    got = moe_one_kernel(inputs["hidden"], inputs["w13"], inputs["w2"], inputs["ids"], inputs["weights"],
-                         torch.zeros(HIDDEN, device="cuda"), variant)
+    want = two_kernels(layer, layer["hidden"]).float().sum(0)
+    got = one_kernel(layer, layer["hidden"], torch.zeros(HIDDEN, device="cuda"), variant)
     return float((got - want).abs().max() / want.abs().max())
 
 
@@ -155,27 +159,26 @@ def main() -> None:
     def shipped_chain() -> None:
         x = first["hidden"]
         for layer in layers:
-            out = fm.moe_down(fm.moe_up(x, layer["w13"], layer["plan"]), layer["w2"], layer["plan"])
-            x = out[:1]
+            x = two_kernels(layer, x)[:1]
 
-    show("two kernels (shipped)", time_us(lambda: two_kernels(first, first["plan"]), 50, flush),
+    show("two kernels (shipped)", time_us(lambda: two_kernels(first, first["hidden"]), 50, flush),
          time_us(shipped_chain, 20, flush))
     for variant in variants:
         try:
-            err = check(first, first["plan"], variant)
+            err = check(first, variant)
         except Exception as exc:  # a tile that cannot compile (registers, shared memory) is skipped
             print(f"{variant}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
 
         def one(variant: tuple = variant) -> None:
             acc[0].zero_()
-            moe_one_kernel(first["hidden"], first["w13"], first["w2"], first["ids"], first["weights"], acc[0], variant)
+            one_kernel(first, first["hidden"], acc[0], variant)
 
         def chain(variant: tuple = variant) -> None:
             acc.zero_()  # in the model the MoE's entry kernel would zero it on its way
             x = first["hidden"]
             for index, layer in enumerate(layers):
-                x = moe_one_kernel(x, layer["w13"], layer["w2"], layer["ids"], layer["weights"], acc[index], variant)
+                x = one_kernel(layer, x, acc[index], variant)
 
         single = float("nan") if args.sweep else time_us(one, 50, flush)
         show(f"one kernel {variant} err {err:.1e}", single, time_us(chain, 20, flush))
