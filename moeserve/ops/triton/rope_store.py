@@ -35,8 +35,9 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _HEAD_BLOCK = tl.constexpr(16)  # q_rope heads rotated per step: bounds registers at 128 heads
 # Decode rows in this range get W_UK absorbed inside this kernel, others a separate GEMM. H200
-# decode-graph replay, fused against apart: b8 -2.8%, b64 -1.2%, b256 -1.0%, but b1 +1.0%.
-FUSED_ABSORB_MIN_ROWS = 2
+# decode-graph replay, fused against apart: b8 -2.8%, b64 -1.2%, b256 -1.0%; b1 was +1.0% when
+# first tried and is -2.9% since (1.995 -> 1.938 ms at 07f6265, `ab_decode.py`, three rounds).
+FUSED_ABSORB_MIN_ROWS = 1
 FUSED_ABSORB_MAX_ROWS = 256
 ABSORB_BLOCK_C = 64  # latent columns per absorbing program
 
