@@ -71,6 +71,17 @@ def _stamp(dep):
 
 
 @triton.jit
+def _store_stamps(base, t1, t2, t3, t4, t5):
+    """A program's stamps 1-5 into its row, and the SM it ran on into the last slot."""
+    tl.store(base + 1, t1)
+    tl.store(base + 2, t2)
+    tl.store(base + 3, t3)
+    tl.store(base + 4, t4)
+    tl.store(base + 5, t5)
+    tl.store(base + 7, tl.extra.cuda.smid().to(tl.int64))
+
+
+@triton.jit
 def _wait(LATE: tl.constexpr, PDL: tl.constexpr):
     """pdl.wait_for_prior_grid, or with LATE its wait alone (the next kernel launched later)."""
     if LATE:
@@ -158,13 +169,7 @@ def _split_stamped(q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, part_
     _store_result(acc_a, acc_b, m_i, l_i, q_row, head, row_ok, offs_c, split, 16, 1.0,
                   part_o_ptr, part_o_ptr, part_lse_ptr, 0, 0, num_splits, LATENT, HALF, True)
     _launch_late(LATE, PDL)
-    t5 = _stamp(0.0)
-    tl.store(base + 1, t1)
-    tl.store(base + 2, t2)
-    tl.store(base + 3, t3)
-    tl.store(base + 4, t4)
-    tl.store(base + 5, t5)
-    tl.store(base + 7, tl.extra.cuda.smid().to(tl.int64))
+    _store_stamps(base, t1, t2, t3, t4, _stamp(0.0))
 
 
 @triton.jit
@@ -210,12 +215,7 @@ def _reduce_stamped(part_o_ptr, part_lse_ptr, seq_lens_ptr, w_ptr, out_ptr, stam
     t4 = _stamp(tl.sum(v * 0.0))
     base = stamp_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 8
     tl.store(base, t0)
-    tl.store(base + 1, t1)
-    tl.store(base + 2, t2)
-    tl.store(base + 3, t3)
-    tl.store(base + 4, t4)
-    tl.store(base + 5, t_first)
-    tl.store(base + 7, tl.extra.cuda.smid().to(tl.int64))
+    _store_stamps(base, t1, t2, t3, t4, t_first)
 
 
 class Layer:
