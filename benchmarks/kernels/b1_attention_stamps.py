@@ -28,7 +28,7 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_attention import paged, time_us  # noqa: E402
+from check_attention import best_us, paged  # noqa: E402
 
 from moeserve import ops  # noqa: E402
 from moeserve.bench.common import record, write_results  # noqa: E402
@@ -238,9 +238,8 @@ class Layer:
         self.seq_lens = torch.tensor([keys], dtype=torch.int32, device=dev)
         self.q_latent = torch.empty(1, HEADS, RANK, device=dev, dtype=BF16)
         self.out = torch.empty(1, HEADS, V, device=dev, dtype=BF16)
-        tiles = decode_tiles(HEADS, BF16, BF16, torch.device(dev), 1)
-        self.tiles = tiles
-        self.splits = num_splits_for(1, max_ctx, tiles, torch.device(dev))
+        self.tiles = decode_tiles(HEADS, BF16, BF16, torch.device(dev), 1)
+        self.splits = num_splits_for(1, max_ctx, self.tiles, torch.device(dev))
         self.part_o = torch.empty(1, HEADS, self.splits, RANK, device=dev, dtype=torch.float32)
         self.part_lse = torch.empty(1, HEADS, self.splits, device=dev, dtype=torch.float32)
         self.split_stamps = torch.zeros(self.splits, SLOTS, dtype=torch.int64, device=dev)
@@ -278,15 +277,14 @@ class Layer:
 
 def phases(layers: list[Layer]) -> dict:
     """Median over the middle layers of each phase's time (us) from the split's first wait return."""
+    splits = [layer.split_stamps.cpu() for layer in layers]
+    # Each layer's reference: the first return from its split's wait, over the keyed programs.
+    refs = [s[s[:, 7] >= 0][:, 2].min().item() for s in splits]
     rows = []
-    for i, layer in enumerate(layers[2:-2], start=2):
-        s = layer.split_stamps.cpu()
-        r = layer.reduce_stamps.cpu()
+    for i in range(2, len(layers) - 2):
+        s, r, ref = splits[i], layers[i].reduce_stamps.cpu(), refs[i]
         valid = s[:, 7] >= 0
         sv = s[valid]
-        ref = sv[:, 2].min().item()
-        nxt = layers[i + 1].split_stamps.cpu()
-        nxt_ref = nxt[nxt[:, 7] >= 0][:, 2].min().item()
         rows.append({
             "split first start": s[:, 0].min().item() - ref,
             "split last start (keyed)": sv[:, 0].max().item() - ref,
@@ -303,7 +301,7 @@ def phases(layers: list[Layer]) -> dict:
             "merge first block merged (last)": r[:, 5].max().item() - ref,
             "merge merged (last)": r[:, 3].max().item() - ref,
             "merge done (last)": r[:, 4].max().item() - ref,
-            "next layer's split wait returned": nxt_ref - ref,
+            "next layer's split wait returned": refs[i + 1] - ref,
             "keyed split programs": int(valid.sum()),
             "their distinct SMs": len(set(sv[:, 7].tolist())),
         })
@@ -330,11 +328,11 @@ def main() -> None:
                 x = layer.forward(x, inv_freq, stamped)
         return run
 
-    engine_us = min(time_us(chain(None), iters=1) for _ in range(3)) / LAYERS
+    engine_us = best_us(chain(None), iters=1) / LAYERS
     print(f"splits {layers[0].splits}, chain a layer with the engine's kernels {engine_us:.2f} us")
     rows = []
     for variant in VARIANTS:
-        us = min(time_us(chain(variant), iters=1) for _ in range(3)) / LAYERS
+        us = best_us(chain(variant), iters=1) / LAYERS
         table = phases(layers)
         print(f"stamped copies {variant}: chain a layer {us:.2f} us")
         for k, v in table.items():

@@ -29,7 +29,7 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_attention import time_us  # noqa: E402
+from check_attention import best_us  # noqa: E402
 
 from moeserve.bench.common import record, write_results  # noqa: E402
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid  # noqa: E402
@@ -74,7 +74,7 @@ def chain_us(hops: int, programs: int, weights: bool, two_trips: bool, pdl: bool
                 WEIGHTS=weights, TWO_TRIPS=two_trips, num_warps=warps, **launch,
             )
 
-    return min(time_us(chain, iters=1) for _ in range(3)) / hops
+    return best_us(chain, iters=1) / hops
 
 
 VARIANTS = {
