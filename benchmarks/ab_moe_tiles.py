@@ -58,8 +58,8 @@ def candidates(shipped: dict, part: str, tokens: int) -> list[tuple[str, dict]]:
     return out
 
 
-def patch_config(bs: int, config: dict | None) -> None:
-    """Calls with `bs` tokens get `config` (None: back to the shipped files)."""
+def patch_config(bs: int, experts: int, config: dict | None) -> None:
+    """Calls with `bs` tokens over `experts` stacked experts get `config` (None: the shipped files)."""
     original = getattr(fused_moe_module, "_shipped_get_config", fused_moe_module.get_config)
     fused_moe_module._shipped_get_config = original
     if config is None:
@@ -67,21 +67,44 @@ def patch_config(bs: int, config: dict | None) -> None:
         return
 
     def get_config(hidden: torch.Tensor, w13: torch.Tensor, topk: int) -> dict:
-        return config if hidden.shape[0] == bs else original(hidden, w13, topk)
+        return config if hidden.shape[0] == bs and w13.shape[0] == experts else original(hidden, w13, topk)
 
     fused_moe_module.get_config = get_config
 
 
-def time_variants(core, bs: int, variants: list[tuple[str, dict | None]], rounds: int) -> dict[str, list[float]]:
+def shipped_call(core, bs: int) -> tuple[int, dict]:
+    """(stacked experts, config) of the fused MoE call the size-`bs` decode graph makes: with the
+    shared experts fused, or the routed ones alone where they run on a second stream."""
+    original = fused_moe_module.get_config
+    seen: dict[int, dict] = {}
+
+    def recording(hidden: torch.Tensor, w13: torch.Tensor, topk: int) -> dict:
+        config = original(hidden, w13, topk)
+        if hidden.shape[0] == bs:
+            seen[w13.shape[0]] = config
+        return config
+
+    fused_moe_module.get_config = recording
+    try:
+        recapture(core, bs)
+    finally:
+        fused_moe_module.get_config = original
+    if len(seen) != 1:
+        raise SystemExit(f"expected one fused-MoE shape at {bs} tokens, saw {sorted(seen)}")
+    return next(iter(seen.items()))
+
+
+def time_variants(core, bs: int, experts: int, variants: list[tuple[str, dict | None]],
+                  rounds: int) -> dict[str, list[float]]:
     """Replay ms of each variant per round, variants taking turns."""
     replay: dict[str, list[float]] = {name: [] for name, _ in variants}
     for _ in range(rounds):
         for name, config in variants:
-            patch_config(bs, config)
+            patch_config(bs, experts, config)
             recapture(core, bs)
             time_steps(core, 4)
             replay[name].append(time_replay(core, bs, 20, 5))
-    patch_config(bs, None)
+    patch_config(bs, experts, None)
     return replay
 
 
@@ -98,10 +121,7 @@ def main() -> None:
     print(f"device {device}", flush=True)
     records = []
     for bs in sizes:
-        layer = next(m for m in core.runner.model.modules() if type(m).__name__ == "Experts")
-        probe = torch.empty(bs, layer.w13_weight.shape[2], dtype=layer.w13_weight.dtype, device="cuda")
-        topk = core.model_config.num_experts_per_tok + layer.num_shared
-        shipped = fused_moe_module.get_config(probe, layer.w13_weight, topk)
+        experts, shipped = shipped_call(core, bs)
         grid = candidates(shipped, a.part, bs)
         steps = (len(grid) + 1) * (a.rounds * 4 + 2) + (a.confirm + 1) * a.confirm_rounds * 4 + 64
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -110,9 +130,9 @@ def main() -> None:
             core.add_request(rid, prompt, params)
         while any(len(core.requests[r].output_token_ids) == 0 for r in ids):
             core.step()
-        sweep = time_variants(core, bs, [("shipped", None), *grid], a.rounds)
+        sweep = time_variants(core, bs, experts, [("shipped", None), *grid], a.rounds)
         best = sorted(grid, key=lambda v: statistics.median(sweep[v[0]]))[: a.confirm]
-        confirm = time_variants(core, bs, [("shipped", None), *best], a.confirm_rounds)
+        confirm = time_variants(core, bs, experts, [("shipped", None), *best], a.confirm_rounds)
         base = statistics.median(confirm["shipped"])
         for name in ["shipped", *(n for n, _ in best)]:
             r = statistics.median(confirm[name])
@@ -120,7 +140,7 @@ def main() -> None:
                   f"{statistics.median(sweep[name]):7.3f}  rounds {[round(x, 3) for x in confirm[name]]}", flush=True)
         sweep_ms = {name: round(statistics.median(v), 4) for name, v in sweep.items()}
         records.append(record(
-            f"ab_moe_tiles_b{bs}", "cuda", workload={"batch_size": bs, "input_len": a.input_len, "part": a.part},
+            f"ab_moe_tiles_b{bs}", "cuda", workload={"batch_size": bs, "input_len": a.input_len, "part": a.part, "experts": experts},
             shipped=shipped, sweep_replay_ms=sweep_ms,
             confirmed=[{"name": n, "config": c, "replay_ms": round(statistics.median(confirm[n]), 4),
                         "vs_shipped": round(statistics.median(confirm[n]) / base - 1, 4)} for n, c in [("shipped", shipped), *best]],
