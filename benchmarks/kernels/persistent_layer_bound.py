@@ -8,17 +8,18 @@ grid barrier instead. This times the skeleton of such a kernel: one launch, ever
 streaming its share of each phase's bytes (the engine's real byte counts at one token and 1,152
 keys) and meeting the others at a barrier wherever the layer has a dependency, 26 layers of
 distinct buffers (more than L2 holds). No attention or GEMV math is done, so its time is a lower
-bound on any design with these dependencies. Rows:
+bound for a kernel that streams each phase's bytes after that phase's barrier. Rows (`_rowsR_wW`:
+each program keeps two tiles of R 8 KB blocks in flight, on W warps):
 - `barrier`: the barrier alone (arrive by an atomic add, spin on an acquire load), and with one
   dependent L2 read after it (a phase's first input, written by another SM before the barrier);
-- `moe_stream_rowsR`: the MoE's two phases (gate/up, then down) with their two barriers, each
-  program keeping two tiles of R 8 KB blocks in flight;
+- `moe_stream`: the MoE's two phases (gate/up, then down) with their two barriers;
 - `one_phase`: a layer's bytes as one phase, one barrier: the stream alone;
 - `layer_plain`: all eight phases, each streamed after its barrier;
 - `layer_early`: the same, but each program issues the loads of the next static phase (weights,
-  old KV) before it waits at the barrier, as far as registers hold (up to 64 KB a program): what
-  PDL's weight preload does between kernels, and the most a persistent kernel can do short of
-  guessing the routed experts.
+  old KV) before it waits at the barrier, as far as registers hold (64 KB a program): what PDL's
+  weight preload does between kernels. Holding more of later phases' static bytes (the shared
+  experts) would take asynchronous copies into shared memory kept across barriers, which this
+  Triton skeleton cannot express.
 """
 
 from __future__ import annotations
