@@ -117,6 +117,25 @@ def decode_engine(model: str, load_format: str, sizes: list[int], kv_cache_dtype
     ))  # fmt: skip
 
 
+def start_batch(core: EngineCore, bs: int, input_len: int, max_tokens: int, tag: str, seed: int) -> list[str]:
+    """`bs` random prompts of `input_len` tokens added and prefilled (each has its first token) -> ids."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}{bs}-{i}" for i in range(bs)]
+    for rid, prompt in zip(ids, random_prompts(bs, input_len, core.model_config.vocab_size, seed), strict=True):
+        core.add_request(rid, prompt, params)
+    while any(len(core.requests[r].output_token_ids) == 0 for r in ids):
+        core.step()
+    return ids
+
+
+def finish_batch(core: EngineCore, ids: list[str]) -> None:
+    """Abort the batch's requests and step until the engine has released them."""
+    for rid in ids:
+        core.abort_request(rid)
+    while core.has_unfinished_requests():
+        core.step()
+
+
 def main() -> None:
     ap = decode_args(__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True)
@@ -130,14 +149,9 @@ def main() -> None:
     core = decode_engine(a.model, a.load_format, sizes, a.kv_cache_dtype)
     print(f"device {torch.cuda.get_device_name()}", flush=True)
     steps_per_round = len(variants) * 8
-    params = SamplingParams(max_tokens=a.rounds * steps_per_round + 16, temperature=0.0, ignore_eos=True)
     records: list[dict] = []
     for bs in sizes:
-        ids = [f"ab{bs}-{i}" for i in range(bs)]
-        for rid, prompt in zip(ids, random_prompts(bs, a.input_len, core.model_config.vocab_size, 7 * bs), strict=True):
-            core.add_request(rid, prompt, params)
-        while any(len(core.requests[r].output_token_ids) == 0 for r in ids):
-            core.step()
+        ids = start_batch(core, bs, a.input_len, a.rounds * steps_per_round + 16, "ab", 7 * bs)
         replay: dict[str, list[float]] = {name: [] for name, _ in variants}
         wall: dict[str, list[float]] = {name: [] for name, _ in variants}
         for _ in range(a.rounds):
@@ -146,10 +160,7 @@ def main() -> None:
                 recapture(core, bs)
                 wall[name].append(time_steps(core, 6))  # also stages this size's real inputs
                 replay[name].append(time_replay(core, bs, a.replays, a.samples))
-        for rid in ids:
-            core.abort_request(rid)
-        while core.has_unfinished_requests():
-            core.step()
+        finish_batch(core, ids)
         base = statistics.median(replay[variants[0][0]])
         for (name, _), spec in zip(variants, a.variant, strict=True):
             r, w = statistics.median(replay[name]), statistics.median(wall[name])

@@ -23,10 +23,9 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))
 
-from ab_decode import decode_args, decode_engine, recapture, time_replay, time_steps  # noqa: E402
+from ab_decode import decode_args, decode_engine, finish_batch, recapture, start_batch, time_replay, time_steps  # noqa: E402, I001
 
-from moeserve import SamplingParams  # noqa: E402
-from moeserve.bench.common import random_prompts, record, write_results  # noqa: E402
+from moeserve.bench.common import record, write_results  # noqa: E402
 from moeserve.ops.triton import fused_moe as fused_moe_module  # noqa: E402
 from moeserve.ops.triton.moe_config import validate_config  # noqa: E402
 
@@ -124,12 +123,7 @@ def main() -> None:
         experts, shipped = shipped_call(core, bs)
         grid = candidates(shipped, a.part, bs)
         steps = (len(grid) + 1) * (a.rounds * 4 + 2) + (a.confirm + 1) * a.confirm_rounds * 4 + 64
-        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-        ids = [f"tiles{bs}-{i}" for i in range(bs)]
-        for rid, prompt in zip(ids, random_prompts(bs, a.input_len, core.model_config.vocab_size, 11 * bs), strict=True):
-            core.add_request(rid, prompt, params)
-        while any(len(core.requests[r].output_token_ids) == 0 for r in ids):
-            core.step()
+        ids = start_batch(core, bs, a.input_len, steps, "tiles", 11 * bs)
         sweep = time_variants(core, bs, experts, [("shipped", None), *grid], a.rounds)
         best = sorted(grid, key=lambda v: statistics.median(sweep[v[0]]))[: a.confirm]
         confirm = time_variants(core, bs, experts, [("shipped", None), *best], a.confirm_rounds)
@@ -145,10 +139,7 @@ def main() -> None:
             confirmed=[{"name": n, "config": c, "replay_ms": round(statistics.median(confirm[n]), 4),
                         "vs_shipped": round(statistics.median(confirm[n]) / base - 1, 4)} for n, c in [("shipped", shipped), *best]],
         ))  # fmt: skip
-        for rid in ids:
-            core.abort_request(rid)
-        while core.has_unfinished_requests():
-            core.step()
+        finish_batch(core, ids)
     write_results(a.output, records)
 
 

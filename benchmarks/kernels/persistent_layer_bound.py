@@ -91,24 +91,22 @@ def _phase_base(layer, p, phase_start_ptr, LAYER_BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _early_tile(buf_ptr, layer, p, phase_blocks_ptr, phase_start_ptr, static_ptr, pid, n,
-                LAYERS: tl.constexpr, LAYER_BLOCKS: tl.constexpr, EARLY_BLOCKS: tl.constexpr):
-    """This program's first EARLY_BLOCKS blocks of phase p (zeros past its share, or if not static)."""
-    rows = tl.arange(0, EARLY_BLOCKS)
-    offs = tl.arange(0, 4096)
-    mine = (tl.load(phase_blocks_ptr + p) + n - 1 - pid) // n
-    count = tl.minimum(mine, EARLY_BLOCKS) * tl.load(static_ptr + p) * (layer < LAYERS)
-    ptrs = buf_ptr + _phase_base(layer, p, phase_start_ptr, LAYER_BLOCKS) + (pid + rows[:, None] * n).to(tl.int64) * 4096
-    return tl.load(ptrs + offs[None, :], mask=(rows < count)[:, None] & (offs >= 0)[None, :], other=0.0)
-
-
-@triton.jit
 def _share_tile(buf_ptr, base, pid, n, b, mine, ROWS: tl.constexpr):
     """Blocks b .. b + ROWS - 1 of this program's share (pid + b * n, ...), zeros past `mine`."""
     rows = b + tl.arange(0, ROWS)
     offs = tl.arange(0, 4096)
     ptrs = buf_ptr + base + (pid + rows[:, None] * n).to(tl.int64) * 4096 + offs[None, :]
     return tl.load(ptrs, mask=(rows < mine)[:, None] & (offs >= 0)[None, :], other=0.0)
+
+
+@triton.jit
+def _early_tile(buf_ptr, layer, p, phase_blocks_ptr, phase_start_ptr, static_ptr, pid, n,
+                LAYERS: tl.constexpr, LAYER_BLOCKS: tl.constexpr, EARLY_BLOCKS: tl.constexpr):
+    """This program's first EARLY_BLOCKS blocks of phase p (zeros past its share, or if not static)."""
+    mine = (tl.load(phase_blocks_ptr + p) + n - 1 - pid) // n
+    count = tl.minimum(mine, EARLY_BLOCKS) * tl.load(static_ptr + p) * (layer < LAYERS)
+    base = _phase_base(layer, p, phase_start_ptr, LAYER_BLOCKS)
+    return _share_tile(buf_ptr, base, pid, n, 0, count, EARLY_BLOCKS)
 
 
 @triton.jit
