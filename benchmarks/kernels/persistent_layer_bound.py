@@ -197,25 +197,34 @@ def layers_us(phases: tuple[float, ...], layers: int, early: bool, rows: int, wa
     return us, layer_blocks * BLOCK * 2 / MB
 
 
+def layer_row(name: str, us: float, mb: float, gbs: float, **extra) -> dict:
+    """A skeleton's row, printed: us a layer against the layer's bytes at the read rate."""
+    floor = mb * MB / (gbs * 1e3)
+    print(f"{name:<32s} {us:7.2f} us a layer for {mb:6.1f} MB ({floor:5.1f} us at {gbs:.0f} GB/s): {us / floor:.2f}x")
+    return {"variant": name, "us_per_layer": round(us, 2), "mb_per_layer": round(mb, 2), **extra,
+            "floor_us": round(floor, 2), "ratio": round(us / floor, 3)}
+
+
+def skeleton_args(doc: str) -> tuple[argparse.Namespace, float]:
+    """--layers and --json, and the device's read bandwidth in GB/s (printed)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=26)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    gbs = read_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: read bandwidth {gbs:.0f} GB/s")
+    return args, gbs
+
+
 def report(rows: list, name: str, phases: tuple, early: bool, tile_rows: int, warps: int, layers: int, gbs: float) -> float:
     """Time one skeleton, print it and append its row; -> us a layer."""
     us, mb = layers_us(phases, layers, early, tile_rows, warps)
-    floor = mb * MB / (gbs * 1e3)
-    rows.append({"variant": name, "us_per_layer": round(us, 2), "mb_per_layer": round(mb, 2),
-                 "barriers_per_layer": len(phases), "tile_rows": tile_rows, "warps": warps,
-                 "floor_us": round(floor, 2), "ratio": round(us / floor, 3)})
-    print(f"{name:<22s} {us:7.2f} us a layer for {mb:6.1f} MB ({floor:5.1f} us at {gbs:.0f} GB/s): {us / floor:.2f}x")
+    rows.append(layer_row(name, us, mb, gbs, barriers_per_layer=len(phases), tile_rows=tile_rows, warps=warps))
     return us
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=26)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    gbs = read_bandwidth_gbs()
-    device = torch.cuda.get_device_name()
-    print(f"{device}: read bandwidth {gbs:.0f} GB/s")
+    a, gbs = skeleton_args(__doc__)
     rows = []
     for dependent in (False, True):
         us = barrier_us(200, dependent)

@@ -33,7 +33,6 @@ layer 1.6-2.0x; not kept.)
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -301,33 +300,26 @@ def barrier_stats(stamps: torch.Tensor) -> dict:
     stats = {"last_after_median_us": [round(t, 2) for t in by_barrier.tolist()],
              "release_after_last_us": round(release.median().item(), 2),
              "last_programs": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
-    print(f"    last arrival after the median, per barrier of a layer: {stats['last_after_median_us']} us "
-          f"(sum {sum(stats['last_after_median_us']):.1f}); release after it {stats['release_after_last_us']} us; "
-          f"programs last most often (pid: times) {stats['last_programs']}")
     return stats
 
 
 def main() -> None:
-    from moeserve.bench.common import record, write_results
-    from moeserve.bench.roofline import read_bandwidth_gbs
+    from persistent_layer_bound import layer_row, skeleton_args
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=26)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    gbs = read_bandwidth_gbs()
-    print(f"{torch.cuda.get_device_name()}: read bandwidth {gbs:.0f} GB/s")
+    from moeserve.bench.common import record, write_results
+
+    a, gbs = skeleton_args(__doc__)
     rows = []
     for config in CONFIGS:
         tag = "_r{}_s{}_w{}".format(*config)
         for name, flags in VARIANTS.items():
             us, mb, stats = ring_us(a.layers, config, **flags)
-            floor = mb * MB / (gbs * 1e3)
-            rows.append({"variant": name + tag, "us_per_layer": round(us, 2), "mb_per_layer": round(mb, 2),
-                         "chunk_kb": config[0] * ROW_BYTES // 1024, "slots": config[1], "warps": config[2],
-                         "floor_us": round(floor, 2), "ratio": round(us / floor, 3), **stats})
-            print(f"{name + tag:<32s} {us:7.2f} us a layer for {mb:6.1f} MB "
-                  f"({floor:5.1f} us at {gbs:.0f} GB/s): {us / floor:.2f}x")
+            rows.append(layer_row(name + tag, us, mb, gbs, chunk_kb=config[0] * ROW_BYTES // 1024, slots=config[1],
+                                  warps=config[2], **stats))
+            if stats:
+                print(f"    last arrival after the median, per barrier of a layer: {stats['last_after_median_us']} us "
+                      f"(sum {sum(stats['last_after_median_us']):.1f}); release after it "
+                      f"{stats['release_after_last_us']} us; programs last most often {stats['last_programs']}")
     if a.json:
         write_results(a.json, [record("persistent_ring_bound", "cuda", workload={"layers": a.layers, "segments": SEGMENTS},
                                       read_gbs=round(gbs, 1), rows=rows)])  # fmt: skip
