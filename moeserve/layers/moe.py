@@ -234,7 +234,8 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         experts = self.experts
         if shared or not experts.num_shared:
-            return ops.fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids, sum_slots=sum_slots)
+            return ops.fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids, sum_slots=sum_slots,
+                                 fixed_tail=experts.num_shared if shared else 0)
         e = experts.num_routed
         out = ops.fused_moe(x, experts.w13_weight[:e], experts.w2_weight[:e], weights, ids)
         return experts.add_shared(x, out)

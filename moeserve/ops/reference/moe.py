@@ -84,11 +84,15 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     sum_slots: bool = True,
+    fixed_tail: int = 0,
 ) -> torch.Tensor:
     """Weighted sum over each token's experts of down(silu(gate(x)) * up(x)).
 
     `w13` is [E, 2*I, H] (gate rows then up rows) and `w2` is [E, H, I], one slice per expert.
     With sum_slots False the weighted per-expert outputs come back unsummed, [T, k, H].
+    `fixed_tail` promises that each token's last `fixed_tail` ids are experts E - fixed_tail ..
+    E - 1 in order (the shared experts), so a kernel may fetch their weights before the ids are
+    written; it does not change the result.
     """
     if not sum_slots:
         parts = hidden.new_empty(*topk_ids.shape, hidden.shape[1])

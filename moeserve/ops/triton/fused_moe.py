@@ -43,6 +43,11 @@ from moeserve.ops.triton.moe_config import Config, get_config, validate_config
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 _MODE_IDS = {"gemv": 0, "swap": 1, "dot": 2}
+# Up to this many tokens (1 at most, the kernel's limit) the MoE is the persistent TMA-ring kernel
+# of `moe_ring` on Hopper instead of the two launches below. Off: on H200 it streams a V2-Lite
+# layer's experts at 0.99x their bytes' time but waits about 10 us for the gate/up results its
+# down rows need, so a layer takes 42.5 us against 39.2 (b1 decode replay +3.1%; docs/performance.md).
+RING_MAX_TOKENS = 0
 
 
 @triton.jit
@@ -469,6 +474,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     sum_slots: bool = True,
+    fixed_tail: int = 0,
     config: Config | None = None,
 ) -> torch.Tensor:
     """Weighted sum over each token's experts of down(silu(gate(x)) * up(x)); see the reference.
@@ -480,6 +486,12 @@ def fused_moe(
     if hidden.shape[0] == 0:
         return hidden.new_empty(hidden.shape if sum_slots else (0, *topk_ids.shape[1:], hidden.shape[1]))
     hidden = hidden.contiguous()
+    if config is None and hidden.shape[0] <= RING_MAX_TOKENS:
+        from moeserve.ops.triton import moe_ring  # Gluon: imported only where it may run
+
+        if moe_ring.ring_usable(hidden, w13, topk_ids) and w2.is_contiguous():
+            parts = moe_ring.moe_ring(hidden, w13, w2, topk_weights, topk_ids, fixed_tail)
+            return moe_topk_sum(parts.view(-1, hidden.shape[1]), topk_ids.shape[1]) if sum_slots else parts
     config = config or get_config(hidden, w13, topk_ids.shape[1])
     plan = plan_route(topk_weights, topk_ids, w13.shape[0], config)
     out = moe_down(moe_up(hidden, w13, plan), w2, plan)
