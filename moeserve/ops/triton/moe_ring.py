@@ -117,6 +117,21 @@ def _rows_sum(acc):
 
 
 @gluon.jit
+def _unit(w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit, item, limit, vec_smem,
+          ITEMS: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr,
+          EXPERTS: gl.constexpr, SLOTS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
+    """One unit: its ITEMS items against vec_smem's rows, the ring topped up after each.
+    -> (first box rows' dots [R], second's, issued, consumed, unit, item)."""
+    acc0 = gl.zeros([R, S, _COLS], gl.float32, layout)
+    acc1 = gl.zeros([R, S, _COLS], gl.float32, layout)
+    for it in range(ITEMS):
+        consumed, acc0, acc1 = _consume(ring, ready, consumed, vec_smem, it, acc0, acc1, SLOTS, layout)
+        issued, unit, item = _issue(w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit, item,
+                                    limit, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R)
+    return _rows_sum(acc0), _rows_sum(acc1), issued, consumed, unit, item
+
+
+@gluon.jit
 def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, out_ptr, table_ptr, sync_ptr,
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
                      WIDTH: gl.constexpr, SLOTS: gl.constexpr, S: gl.constexpr, H_PAD: gl.constexpr,
@@ -163,14 +178,10 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, ou
     for u in range(up_units):
         code = gl.load(units_ptr + u)
         slot = (code >> 16) & 255
-        acc0 = gl.zeros([R, S, _COLS], gl.float32, layout)
-        acc1 = gl.zeros([R, S, _COLS], gl.float32, layout)
-        for it in range(UP_ITEMS):
-            consumed, acc0, acc1 = _consume(ring, ready, consumed, x_smem, it, acc0, acc1, SLOTS, layout)
-            issued, unit, item = _issue(w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit,
-                                        item, all_units, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R)
-        gate = _rows_sum(acc0)
-        act = gate / (1.0 + gl.exp(-gate)) * _rows_sum(acc1)
+        gate, up, issued, consumed, unit, item = _unit(
+            w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit, item, all_units, x_smem,
+            UP_ITEMS, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R, layout)
+        act = gate / (1.0 + gl.exp(-gate)) * up
         gl.store(act_ptr + slot * INTER + (code & 65535) * R + rows, act.to(act_ptr.dtype.element_ty))
         # Publish: the slot's down rows may start once all its INTER / R gate/up units are in.
         gl.thread_barrier()
@@ -186,16 +197,13 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, ou
             _stage_rows(act_rows, act_ptr + slot * INTER, INTER, I_PAD, flat)
             gl.thread_barrier()
             staged = slot
-        acc0 = gl.zeros([R, S, _COLS], gl.float32, layout)
-        acc1 = gl.zeros([R, S, _COLS], gl.float32, layout)
-        for it in range(DOWN_ITEMS):
-            consumed, acc0, acc1 = _consume(ring, ready, consumed, act_smem, it, acc0, acc1, SLOTS, layout)
-            issued, unit, item = _issue(w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit,
-                                        item, all_units, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R)
+        first, second, issued, consumed, unit, item = _unit(
+            w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit, item, all_units, act_smem,
+            DOWN_ITEMS, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R, layout)
         weight = gl.load(weights_ptr + slot)
         dst = out_ptr + slot * HIDDEN + (code & 65535) * 2 * R + rows
-        gl.store(dst, (_rows_sum(acc0) * weight).to(out_ptr.dtype.element_ty))
-        gl.store(dst + R, (_rows_sum(acc1) * weight).to(out_ptr.dtype.element_ty))
+        gl.store(dst, (first * weight).to(out_ptr.dtype.element_ty))
+        gl.store(dst + R, (second * weight).to(out_ptr.dtype.element_ty))
     for i in gl.static_range(SLOTS):
         mbarrier.invalidate(ready.index(i))
     # The last program out resets the slots' counters for the next launch.
