@@ -5,8 +5,9 @@ and does almost no math, so its time is how long HBM stays busy. Two launches (g
 drain the memory pipeline between them, and so does every program that finishes its tile. Here one
 program per SM walks its share of both GEMMs' weights in the order it uses them, keeping a ring of
 shared-memory slots loading by TMA: a slot is refilled as soon as it has been read, so the down
-weights are already arriving while the program waits at the one grid barrier (every token's
-SiLU-and-mul must be written before any down row reads it). The shared experts' weights need no
+weights are already arriving while a program waits for the activations its down rows read (a
+slot's down rows start once every program has written that slot's SiLU-and-mul, counted per
+slot). The shared experts' weights need no
 routing, so their copies are issued before the kernel waits for the router (PDL): they stream
 while the kernel before it still runs. `benchmarks/kernels/persistent_ring_bound.py` measured the
 ring's design without math.
@@ -29,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moeserve.ops.triton.device import sm_count
-from moeserve.ops.triton.pdl import pdl_launch
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 COLS = 64  # a box's columns: 128 bytes of bf16, the TMA swizzle's width
 ROWS = 16  # a box's rows; a gate/up unit has ROWS gate and ROWS up rows, a down unit 2 * ROWS rows
@@ -40,13 +41,6 @@ WARPS = 8  # one per slice of a box
 HEAD = 3  # table columns before a program's units: issuable before the router, gate/up, all
 UP, DOWN = 0, 1
 _UP, _COLS, _HEAD = gl.constexpr(UP), gl.constexpr(COLS), gl.constexpr(HEAD)
-
-
-@gluon.jit
-def _wait_for_prior_grid(dep):
-    """PDL: wait until the kernel before is done and its writes are visible, then let the next launch."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r",
-                              [dep], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -136,9 +130,10 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, ou
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
                      WIDTH: gl.constexpr, SLOTS: gl.constexpr, S: gl.constexpr, H_PAD: gl.constexpr,
                      I_PAD: gl.constexpr, WARP_ROWS: gl.constexpr, R: gl.constexpr):
-    """Program p: its gate/up units (act = silu(gate) * up), the grid barrier, its down units
-    (out[slot] = routing weight * down rows), reading every weight byte from the TMA ring and the
-    token's row (then the activations) from shared memory."""
+    """Program p: its gate/up units (act = silu(gate) * up, each counted done on its slot), then
+    its down units (out[slot] = routing weight * down rows, each after its slot's count is full),
+    reading every weight byte from the TMA ring and the token's row (then a slot's activations)
+    from shared memory. sync: [exits, done units per slot...]."""
     pid = gl.program_id(0)
     n = gl.num_programs(0)
     # A ring box is [ROWS, S, 64]: the warps split its slices (and its rows, past S warps); a
@@ -169,7 +164,7 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, ou
     # The shared experts' weights need no routing: issue them before waiting for the router.
     issued, unit, item = _issue(w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, zero, zero, zero, zero, early,
                                 False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R)
-    _wait_for_prior_grid(pid)
+    wait_for_prior_grid(True)  # the shared PDL wait (always on: a no-op without a PDL launch)
     consumed = zero
     issued, unit, item = _issue(w13_desc, w2_desc, ring, ready, units_ptr, ids_ptr, issued, consumed, unit, item,
                                 all_units, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, S, R)
@@ -185,13 +180,13 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, ou
         gl.store(act_ptr + slot * INTER + (code & 65535) * R + rows, act.to(act_ptr.dtype.element_ty))
         # Publish: the slot's down rows may start once all its INTER / R gate/up units are in.
         gl.thread_barrier()
-        gl.atomic_add(sync_ptr + 2 + slot, 1, sem="release", scope="gpu")
+        gl.atomic_add(sync_ptr + 1 + slot, 1, sem="release", scope="gpu")
     staged = zero - 1
     for u in range(up_units, all_units):
         code = gl.load(units_ptr + u)
         slot = (code >> 16) & 255
         if slot != staged:
-            while gl.atomic_add(sync_ptr + 2 + slot, 0, sem="acquire", scope="gpu") < INTER // R:
+            while gl.atomic_add(sync_ptr + 1 + slot, 0, sem="acquire", scope="gpu") < INTER // R:
                 pass
             gl.thread_barrier()
             _stage_rows(act_rows, act_ptr + slot * INTER, INTER, I_PAD, flat)
@@ -207,10 +202,10 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2_desc, weights_ptr, ids_ptr, act_ptr, ou
     for i in gl.static_range(SLOTS):
         mbarrier.invalidate(ready.index(i))
     # The last program out resets the slots' counters for the next launch.
-    if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == n - 1:
+    if gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == n - 1:
         for s in gl.static_range(NSLOTS):
-            gl.atomic_xchg(sync_ptr + 2 + s, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(sync_ptr + 1 + s, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def deal_units(programs: int, hidden: int, inter: int, nslots: int, fixed_tail: int) -> list[list[int]]:
@@ -237,23 +232,23 @@ _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _table_and_sync(device: torch.device, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The work table of this shape and the device's barrier counters, built on first use, which
-    must not be inside a graph capture (a host-to-device copy)."""
-    key = (device, *shape)
+    """The work table of this shape and the device's counters (programs out, then units done per
+    slot; each launch leaves them at zero), built on first use, which must not be inside a graph
+    capture (a host-to-device copy)."""
+    key = (device, ROWS, *shape)  # the table depends on ROWS too
     if key not in _TABLES:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_ring's work table must be built before graph capture: run it once eagerly")
         sync = next((s for (d, *_), (_, s) in _TABLES.items() if d == device), None)
         if sync is None:
-            sync = torch.zeros(2 + 256, dtype=torch.int32, device=device)
+            sync = torch.zeros(1 + 255, dtype=torch.int32, device=device)
         _TABLES[key] = (work_table(*shape).to(device), sync)
     return _TABLES[key]
 
 
-def work_table(programs: int, hidden: int, inter: int, nslots: int, fixed_tail: int, rows: int = 0) -> torch.Tensor:
+def work_table(programs: int, hidden: int, inter: int, nslots: int, fixed_tail: int) -> torch.Tensor:
     """int32 [programs, HEAD + most units]: per program (units issuable before the router, gate/up
-    units, all units) and its unit codes (`rows`: ROWS, which the caller's cache key names)."""
-    assert rows in (0, ROWS)
+    units, all units) and its unit codes."""
     lists = deal_units(programs, hidden, inter, nslots, fixed_tail)
     fixed = {(UP << 24) | (slot << 16) for slot in range(nslots - fixed_tail, nslots)}
     width = HEAD + max(len(units) for units in lists)
@@ -316,7 +311,7 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if not ring_usable(hidden, w13, topk_ids) or not w2.is_contiguous() or w2.dtype != w13.dtype:
         raise ValueError("moe_ring wants one token and contiguous 16-bit weights whose widths it tiles")
     programs = sm_count(hidden.device)
-    table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail, ROWS)
+    table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail)
     gl_dtype = gl.bfloat16 if w13.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, SLICES, COLS], gl_dtype)
     act = torch.empty(nslots, inter, dtype=hidden.dtype, device=hidden.device)
