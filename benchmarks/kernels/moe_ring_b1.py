@@ -4,9 +4,11 @@
 
 A chain of --layers V2-Lite MoE layers with distinct weights, as the decode step runs them: each
 layer's add + RMSNorm + router + selection kernel (PDL), then its experts (6 routed + 2 shared),
-whose output is the next layer's input, in one CUDA graph. Printed per layer: the chain's time
-less the same chain with the experts skipped (the entry kernels alone), against the bytes the
-experts read (138.4 MB: 8 experts' gate/up and down) at the measured read bandwidth.
+unsummed (per-expert parts, or the ring's float32 sum), in one CUDA graph. Every kernel waits for
+the one before it (PDL), so the chain runs in order although each entry reads the same token.
+Printed per layer: the chain's time less the same chain with the experts skipped (the entry
+kernels alone), against the bytes the experts read (138.4 MB: 8 experts' gate/up and down) at the
+measured read bandwidth.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from moeserve.ops.triton.tune_moe import time_us  # noqa: E402
 EXPERTS, SHARED, TOPK, HIDDEN, INTER = 66, 2, 6, 2048, 1408
 # (name, RING_MAX_TOKENS, moe_ring settings other than the shipped ones); runs alternate, so drift falls on all.
 VARIANTS = (("two_launches", 0, {}), ("ring", 1, {}), ("ring_slots4", 1, {"MAX_SLOTS": 4}),
-            ("ring_rows8_slices16", 1, {"ROWS": 8, "SLICES": 16}), ("two_launches_again", 0, {}), ("ring_again", 1, {}))
-SETTINGS = ("ROWS", "SLICES", "WARPS", "MAX_SLOTS")
+            ("ring_warps16", 1, {"WARPS": 16}), ("two_launches_again", 0, {}), ("ring_again", 1, {}))
+SETTINGS = ("WARPS", "MAX_SLOTS")
 RULES = dict(top_k=TOPK, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
              routed_scaling_factor=1.0, correction_bias=None, scale_after_norm=False, num_shared=SHARED)
 
@@ -45,11 +47,11 @@ def make_layers(count: int) -> list[tuple]:
 
 
 def chain(layers: list[tuple], x: torch.Tensor, residual: torch.Tensor, experts: bool = True) -> None:
-    """Every layer's entry kernel and (unless `experts` is False) its experts; parts summed by the next entry."""
-    h = x
+    """Every layer's entry kernel and (unless `experts` is False) its experts."""
     for router, norm, w13, w2 in layers:
-        normed, residual, weights, ids = ops.add_norm_route(h, residual, norm, 1e-6, router, **RULES)
-        h = ops.fused_moe(normed, w13, w2, weights, ids, fixed_tail=SHARED) if experts else normed
+        normed, _, weights, ids = ops.add_norm_route(x, residual, norm, 1e-6, router, **RULES)
+        if experts:
+            ops.fused_moe(normed, w13, w2, weights, ids, sum_slots=False, fixed_tail=SHARED)
 
 
 def main() -> None:

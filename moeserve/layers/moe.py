@@ -180,8 +180,9 @@ class MoE(nn.Module):
             self.experts.shared_down_weight()
 
     def forward(self, x: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
-        """[T, H]; with sum_slots False it may instead return the per-expert parts [T, slots, H],
-        for a caller whose next op sums them anyway (the fused add + RMSNorm)."""
+        """[T, H]; with sum_slots False it may instead return the per-expert parts [T, slots, H]
+        (or their float32 sum, one slot), for a caller whose next op sums them anyway (the fused
+        add + RMSNorm)."""
         shared = self._shared_in_kernels(x)
         weights, ids = self.gate(x, self.experts.num_shared if shared else 0)
         return self._experts(x, weights, ids, shared, sum_slots)

@@ -131,6 +131,22 @@ def test_add_norm_linear_matches_the_reference(slots, rows, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_add_norm_linear_takes_a_float32_sum_as_one_slot():
+    """[1, 1, H] float32 (the one-token ring MoE's output) beside a half-precision residual and
+    weight: the one-kernel path rounds the sum to the residual's dtype, as the reference does."""
+    from moeserve.ops.reference.linear import add_norm_linear as reference
+
+    gen = torch.Generator().manual_seed(12)
+    x = rand(gen, 1, 1, 64)
+    residual, gain, w = (rand(gen, 1, 64, dtype=torch.float16), rand(gen, 64, dtype=torch.float16),
+                         rand(gen, 40, 64, dtype=torch.float16))
+    want, want_sum = reference(x, residual, gain, 1e-6, w)
+    got, got_sum = gemv_module.add_norm_linear(x, residual, gain, 1e-6, w)
+    assert got.dtype == got_sum.dtype == torch.float16
+    torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=1e-3)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
 def test_add_norm_linear_rejects_parts_that_do_not_match_the_residual():
     gen = torch.Generator().manual_seed(3)
     w, gain = rand(gen, 8, 64), rand(gen, 64)

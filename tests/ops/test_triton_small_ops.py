@@ -92,6 +92,23 @@ def test_fused_add_rms_norm_sums_per_expert_parts_first(dtype, slots):
     torch.testing.assert_close(normed, want_normed, **close)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_add_rms_norm_takes_a_float32_sum_as_one_slot(dtype):
+    """x as [T, 1, H] float32 (the one-token ring MoE's summed output) beside a half-precision
+    residual: rounded to the residual's dtype, added, normalised; outputs in that dtype."""
+    gen = torch.Generator().manual_seed(11)
+    parts = rand(gen, 3, 1, 40)
+    residual = rand(gen, 3, 40, dtype=dtype)
+    w = (torch.rand(40, generator=gen) + 0.5).to(device=DEVICE, dtype=dtype)
+    normed, summed = tri_norm.fused_add_rms_norm(parts, residual, w, 1e-5)
+    want_normed, want_summed = ref_norm.fused_add_rms_norm(parts, residual, w, 1e-5)
+    assert normed.dtype == summed.dtype == want_summed.dtype == dtype
+    torch.testing.assert_close(want_summed, (parts[:, 0].to(dtype) + residual), rtol=0, atol=0)
+    close = {"rtol": 1.6e-2, "atol": 3.2e-2}
+    torch.testing.assert_close(summed, want_summed, **close)
+    torch.testing.assert_close(normed, want_normed, **close)
+
+
 def test_rms_norm_takes_leading_dims_and_empty_batches():
     gen = torch.Generator().manual_seed(4)
     x = rand(gen, 2, 3, 16)

@@ -17,9 +17,10 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the pre-norm block boundary in one op.
 
-    x may also be [T, slots, H]: a MoE's per-expert outputs, summed (in float32) before the add.
+    x may also be [T, slots, H]: a MoE's per-expert outputs (or their float32 sum, one slot),
+    summed in float32 and rounded to the residual's dtype before the add.
     """
     if x.dim() == residual.dim() + 1:
-        x = x.float().sum(-2).to(x.dtype)
+        x = x.float().sum(-2).to(residual.dtype)
     summed = x + residual
     return rms_norm(summed, weight, eps), summed

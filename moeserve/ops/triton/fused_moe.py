@@ -44,10 +44,10 @@ from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 _MODE_IDS = {"gemv": 0, "swap": 1, "dot": 2}
 # Up to this many tokens (1 at most, the kernel's limit) the MoE is the persistent TMA-ring kernel
-# of `moe_ring` on Hopper instead of the two launches below. Off: on H200 it streams a V2-Lite
-# layer's experts at 0.99x their bytes' time but waits about 10 us for the gate/up results its
-# down rows need, so a layer takes 42.5 us against 39.2 (b1 decode replay +3.1%; docs/performance.md).
-RING_MAX_TOKENS = 0
+# of `moe_ring` on Hopper instead of the two launches below; its output is then the float32 sum
+# [1, 1, H] (one slot) rather than per-expert parts, which the next add + RMSNorm takes as well.
+# H200, V2-Lite, batch-1 decode-graph replay 1.948 -> 1.859 ms (-4.6%; benchmarks/ab_decode.py).
+RING_MAX_TOKENS = 1
 
 
 @triton.jit
@@ -479,6 +479,9 @@ def fused_moe(
 ) -> torch.Tensor:
     """Weighted sum over each token's experts of down(silu(gate(x)) * up(x)); see the reference.
 
+    With sum_slots False: the per-expert parts [T, k, H], or (one token on the ring kernel) their
+    float32 sum as [T, 1, H]; either way for an op that sums slots (the fused add + RMSNorm).
+
     A token's k expert ids must be distinct (top-k routing guarantees it; the dense path relies on
     it). `config` overrides the tuned or default block sizes (the tuner uses it).
     """
@@ -490,8 +493,8 @@ def fused_moe(
         from moeserve.ops.triton import moe_ring  # Gluon: imported only where it may run
 
         if moe_ring.ring_usable(hidden, w13, topk_ids) and w2.is_contiguous():
-            parts = moe_ring.moe_ring(hidden, w13, w2, topk_weights, topk_ids, fixed_tail)
-            return moe_topk_sum(parts.view(-1, hidden.shape[1]), topk_ids.shape[1]) if sum_slots else parts
+            out = moe_ring.moe_ring(hidden, w13, w2, topk_weights, topk_ids, fixed_tail)
+            return out.view(hidden.shape).to(hidden.dtype) if sum_slots else out
     config = config or get_config(hidden, w13, topk_ids.shape[1])
     plan = plan_route(topk_weights, topk_ids, w13.shape[0], config)
     out = moe_down(moe_up(hidden, w13, plan), w2, plan)

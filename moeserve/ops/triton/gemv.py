@@ -108,13 +108,14 @@ def _add_norm_gemv_kernel(
     while m < M:
         parts = tl.load(x_ptr + m * stride_xm + slots[:, None] * stride_xs + offs_k[None, :],
                         mask=(slots[:, None] < SLOTS) & k_ok[None, :], other=0.0)
-        # Rounded as the reference rounds: the slot sum, then the residual add, in x's dtype.
-        x = tl.sum(parts.to(tl.float32), axis=0).to(x_ptr.dtype.element_ty)
+        # Rounded as the reference rounds: the slot sum, then the residual add, in the residual's
+        # dtype (x may be a MoE's float32 sum).
+        x = tl.sum(parts.to(tl.float32), axis=0).to(res_ptr.dtype.element_ty)
         res = tl.load(res_ptr + m * stride_rm + offs_k, mask=k_ok, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_ptr.dtype.element_ty)
         if tl.program_id(0) == 0:
             tl.store(sum_ptr + m * K + offs_k, x, mask=k_ok)
-        y = normalize_row(x.to(tl.float32), gain, K, eps, x_ptr.dtype.element_ty)
+        y = normalize_row(x.to(tl.float32), gain, K, eps, res_ptr.dtype.element_ty)
         acc = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -222,15 +223,16 @@ def add_norm_linear(
     slots = x.shape[1] if x.dim() == 3 else 1
     one_kernel = (
         residual.dim() == 2 and 0 < rows <= ADD_NORM_MAX_ROWS and fits(residual, weight) and weight.shape[1] == width
-        and x.dtype == weight.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
+        and residual.dtype == weight.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
+        and (x.dtype == residual.dtype or (x.dim() == 3 and x.dtype == torch.float32))
     )
     if not one_kernel:  # the norm checks the inputs itself
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), summed
     check_inputs(x, residual, norm_weight)
     n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    summed = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n, dtype=residual.dtype, device=x.device)
+    summed = torch.empty(rows, width, dtype=residual.dtype, device=x.device)
     _add_norm_gemv_kernel[(triton.cdiv(n, ADD_NORM_BLOCK_N),)](
         x, residual, norm_weight.contiguous(), weight, bias if bias is not None else weight, out, summed, rows, n,
         float(eps), x.stride(0), x.stride(1) if slots > 1 else 0, residual.stride(0), weight.stride(0), out.stride(0),

@@ -48,18 +48,20 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
+    # With a residual, rows are in its dtype (x may be a MoE's float32 sum); else in x's.
+    row_dtype: tl.constexpr = res_ptr.dtype.element_ty if HAS_RESIDUAL else x_ptr.dtype.element_ty
     if SLOTS == 1:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(row_dtype)
     else:
         # A MoE's per-expert outputs: summed in float32, rounded once (as its top-k sum would).
         slots = tl.arange(0, SLOTS_PAD)
         ptrs = x_ptr + row * stride_x + slots[:, None] * stride_slot + cols[None, :]
         parts = tl.load(ptrs, mask=(slots[:, None] < SLOTS) & mask[None, :], other=0.0)
-        x = tl.sum(parts.to(tl.float32), axis=0).to(x_ptr.dtype.element_ty)
+        x = tl.sum(parts.to(tl.float32), axis=0).to(row_dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        # x + residual rounds to x's dtype first, as the reference's add does.
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        # x + residual rounds to the row dtype first, as the reference's add does.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(row_dtype)
         tl.store(sum_ptr + row * width + cols, x, mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = normalize_row(x.to(tl.float32), w, width, eps, x.dtype)
@@ -76,13 +78,15 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def check_inputs(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     """Raise on (x, residual, norm weight) the norm kernels cannot take."""
     width = x.shape[-1]
-    if residual is not None and x.dim() == residual.dim() + 1:
-        x = x[..., 0, :]  # [T, slots, H] parts to sum: checked as the [T, H] they sum to
+    parts = residual is not None and x.dim() == residual.dim() + 1
+    if parts:
+        x = x[..., 0, :]  # [T, slots, H] parts to sum (float32 ones too): checked as the [T, H] they sum to
     if weight.shape != (width,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match width {width}")
     if width > MAX_WIDTH:
         raise ValueError(f"rms_norm: width {width} exceeds the kernel's maximum {MAX_WIDTH}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    summed_parts = parts and x.dtype == torch.float32
+    if residual is not None and (residual.shape != x.shape or (residual.dtype != x.dtype and not summed_parts)):
         raise ValueError(
             f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} does not match "
             f"x {tuple(x.shape)} {x.dtype}"
@@ -100,7 +104,8 @@ def _launch(
     x3 = x.reshape(-1, slots, width)  # a view for row-strided inputs (the latent inside kv_a's output)
     x3 = x3 if x3.stride(-1) == 1 else x3.contiguous()
     res2 = x3[:, 0] if residual is None else _rows(residual, width)
-    out = torch.empty(residual.shape if has_slots else x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(residual.shape if has_slots else x.shape, dtype=x.dtype if residual is None else residual.dtype,
+                      device=x.device)
     summed = out if residual is None else torch.empty_like(out)
     if x3.shape[0]:
         block = triton.next_power_of_2(width)

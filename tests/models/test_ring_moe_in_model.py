@@ -1,0 +1,53 @@
+"""A V2-Lite-shaped model (three layers, dummy weights) decodes one token with the one-token ring
+MoE as it does with the two fused-MoE launches: its float32 sum reaches the next layer's add + norm
+and the final norm (GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.core.batch import ScheduledRequest
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 4096, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "moe_layer_freq": 1, "rope_theta": 10000,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, monkeypatch):
+    from moeserve.ops.triton import fused_moe, moe_ring
+
+    (tmp_path / "config.json").write_text(json.dumps(V2_LITE))
+    llm = LLM(str(tmp_path / "config.json"), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=512,
+              disable_cuda_graph=True, disable_overlap_schedule=True, num_kv_pages=64)  # fmt: skip
+    core = llm.core
+    core.add_request("0", [1, *range(40, 90)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    core.step()  # the prefill; the request now has a token to feed
+    item = ScheduledRequest(core.scheduler.running[0], 1)
+    assert core.kv.allocate(item.request, item.start + 1)
+    item.output_index = len(item.request.output_token_ids)
+    runner = core.runner
+    logits, calls, kernel = {}, [], moe_ring.moe_ring
+    monkeypatch.setattr(moe_ring, "moe_ring", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    with torch.inference_mode():
+        for ring in (0, 1):
+            monkeypatch.setattr(fused_moe, "RING_MAX_TOKENS", ring)
+            calls.clear()
+            batch = runner.prepare([item])
+            logits[ring] = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, batch)).float()
+            assert len(calls) == 2 * ring  # the two MoE layers took the ring only when it was on
+    error = (logits[1] - logits[0]).norm() / logits[0].norm()
+    assert error < 1e-2, error
+    assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist()
