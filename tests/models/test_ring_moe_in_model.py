@@ -1,6 +1,7 @@
 """A V2-Lite-shaped model (three layers, dummy weights) decodes one token with the one-token ring
-MoE as it does with the two fused-MoE launches: its float32 sum reaches the next layer's add + norm
-and the final norm (GPU)."""
+MoE as it does with the two fused-MoE launches: each MoE layer's ring output, on the inputs and
+routing the engine really hands it, matches the two launches, and the float32 sum reaches the next
+layer's add + norm and the final norm (GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 import torch
 
-from moeserve import LLM, SamplingParams
+from moeserve import LLM, SamplingParams, ops
 from moeserve.core.batch import ScheduledRequest
 
 V2_LITE = {
@@ -22,6 +23,10 @@ V2_LITE = {
     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "moe_layer_freq": 1, "rope_theta": 10000,
     "torch_dtype": "bfloat16", "tie_word_embeddings": False,
 }  # fmt: skip
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 @pytest.mark.gpu
@@ -38,16 +43,39 @@ def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, m
     item = ScheduledRequest(core.scheduler.running[0], 1)
     assert core.kv.allocate(item.request, item.start + 1)
     item.output_index = len(item.request.output_token_ids)
-    runner = core.runner
-    logits, calls, kernel = {}, [], moe_ring.moe_ring
-    monkeypatch.setattr(moe_ring, "moe_ring", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    runner, kernel = core.runner, moe_ring.moe_ring
+    calls: list[tuple[torch.Tensor, float]] = []
+
+    def checked(hidden, w13, w2, weights, ids, fixed_tail=0):
+        """The ring's output, checked against the two launches on the same token and routing."""
+        out = kernel(hidden, w13, w2, weights, ids, fixed_tail)
+        monkeypatch.setattr(fused_moe, "RING_MAX_TOKENS", 0)
+        parts = fused_moe.fused_moe(hidden, w13, w2, weights, ids, sum_slots=False, fixed_tail=fixed_tail)
+        monkeypatch.setattr(fused_moe, "RING_MAX_TOKENS", 1)
+        calls.append((ids.clone(), rel_error(out[0], parts.float().sum(1))))
+        return out
+
+    routes: list[list[int]] = []
+    route = ops.add_norm_route
+
+    def recorded(*args, **kwargs):
+        out = route(*args, **kwargs)
+        routes.append(sorted(out[3].flatten().tolist()))
+        return out
+
+    monkeypatch.setattr(moe_ring, "moe_ring", checked)
+    monkeypatch.setattr(ops, "add_norm_route", recorded)
+    logits = {}
     with torch.inference_mode():
         for ring in (0, 1):
             monkeypatch.setattr(fused_moe, "RING_MAX_TOKENS", ring)
             calls.clear()
             batch = runner.prepare([item])
             logits[ring] = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, batch)).float()
-            assert len(calls) == 2 * ring  # the two MoE layers took the ring only when it was on
-    error = (logits[1] - logits[0]).norm() / logits[0].norm()
-    assert error < 1e-2, error
-    assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist()
+    assert len(calls) == 2 and len(routes) == 4  # both MoE layers took the ring when it was on, not when off
+    assert all(error < 1e-2 for _, error in calls), calls
+    assert calls[0][0][0, -2:].tolist() == [64, 65]  # the shared experts come last
+    # The second layer's routing may flip between near-tied experts on a last-bit difference in
+    # its input; where it does not, the logits agree closely, and they stay near either way.
+    error = rel_error(logits[1], logits[0])
+    assert error < (1e-2 if routes[:2] == routes[2:] else 0.1), (error, routes)

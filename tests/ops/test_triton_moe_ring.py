@@ -62,18 +62,22 @@ def case(experts: int, hidden: int, inter: int, topk: int, shared: int, seed: in
     return x, w13, w2, weights, ids
 
 
-def ring_on(fn):
-    """`fn` called with fused_moe's one-token path set to the ring kernel."""
+def ring_set(fn, tokens: int):
+    """`fn` called with fused_moe's RING_MAX_TOKENS at `tokens` (1: the ring kernel, 0: two launches)."""
 
     def call(*args, **kwargs):
         saved = fused_moe_module.RING_MAX_TOKENS
-        fused_moe_module.RING_MAX_TOKENS = 1
+        fused_moe_module.RING_MAX_TOKENS = tokens
         try:
             return fn(*args, **kwargs)
         finally:
             fused_moe_module.RING_MAX_TOKENS = saved
 
     return call
+
+
+def ring_on(fn):
+    return ring_set(fn, 1)
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -115,7 +119,7 @@ def test_gpu_moe_ring_sum_feeds_the_next_add_and_norm():
     gain = torch.rand(2048, generator=gen, device="cuda", dtype=torch.bfloat16) + 0.5
     proj = torch.randn(576, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
     got = ring_on(ops.fused_moe)(x, w13, w2, weights, ids, sum_slots=False, fixed_tail=2)
-    parts = ops.fused_moe(x, w13, w2, weights, ids, sum_slots=False, fixed_tail=2)
+    parts = ring_set(ops.fused_moe, 0)(x, w13, w2, weights, ids, sum_slots=False, fixed_tail=2)
     assert parts.shape == (1, 8, 2048)
     for op in (ops.fused_add_rms_norm, lambda *a: ops.add_norm_linear(*a, proj)):
         args = (residual, gain, 1e-6)

@@ -42,6 +42,7 @@ WIDE = 64  # rows of a routed piece; its down box is [WIDE_H, 64] (hidden rows x
 NARROW = 32  # most rows of a shared piece; its down box is [NARROW_H, 32]
 WIDE_H, NARROW_H = 128, 256  # both down boxes are 16 KB, as a gate/up box is
 MAX_SLOTS = 8  # items (two boxes, 32 KB) the ring holds at most
+EARLY_ITEMS = 8  # items a program may issue before its PDL wait (the kernel before it still runs)
 SHARED_BYTES = 216 * 1024  # the ring, the staged token, the output row and the activations
 WARPS = 8
 HEAD = 2  # table columns before a program's pieces: pieces issuable before the router, all pieces
@@ -139,7 +140,8 @@ def _consume_down(ring, ready, consumed, act, out_rows, first, SLOTS: gl.constex
 @gluon.jit
 def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, out_ptr, table_ptr, sync_ptr,
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
-                     WIDTH: gl.constexpr, SLOTS: gl.constexpr, H_PAD: gl.constexpr, ACC_ROWS: gl.constexpr):
+                     WIDTH: gl.constexpr, SLOTS: gl.constexpr, EARLY: gl.constexpr, H_PAD: gl.constexpr,
+                     ACC_ROWS: gl.constexpr):
     """Program p: for each of its pieces, the gate/up units (act = weight * silu(gate) * up, kept in
     shared memory), then the piece's down columns times act, summed into the program's float32
     output row; at the end that row is added into out by atomics (program 0 zeroes out first).
@@ -180,8 +182,10 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
     count = gl.load(head + 1)
     zero = pid * 0  # loop-carried counters must start as tensors
     # The shared experts' weights need no routing: issue them before waiting for the router.
+    # (As if SLOTS - EARLY items were already in use, so at most EARLY are issued.)
     issued, piece, item = _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr, ids_ptr,
-                                 zero, zero, zero, zero, early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+                                 zero, zero + EARLY - SLOTS, zero, zero, early, False, HIDDEN, INTER, NSLOTS, EXPERTS,
+                                 SLOTS, UPH)
     acc_all.store(gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l))
     o_rows = gl.arange(0, ACC_ROWS, layout=gl.SliceLayout(1, out_l))[:, None]
     o_cols = gl.arange(0, _WIDE_H, layout=gl.SliceLayout(0, out_l))[None, :]
@@ -378,10 +382,11 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     programs = sm_count(hidden.device)
     table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail)
     out = torch.empty(1, 1, width, dtype=torch.float32, device=hidden.device)
+    slots = ring_slots(width, inter, hidden.element_size())
     _moe_ring_kernel[(programs,)](
         hidden, *_descriptors(w13, w2), topk_weights.reshape(-1).float(), topk_ids.reshape(-1), out, table, sync,
-        HIDDEN=width, INTER=inter, NSLOTS=nslots, EXPERTS=experts, WIDTH=table.shape[1],
-        SLOTS=ring_slots(width, inter, hidden.element_size()), H_PAD=_x_pad(width),
+        HIDDEN=width, INTER=inter, NSLOTS=nslots, EXPERTS=experts, WIDTH=table.shape[1], SLOTS=slots,
+        EARLY=min(EARLY_ITEMS, slots), H_PAD=_x_pad(width),
         ACC_ROWS=triton.next_power_of_2(width // WIDE_H), num_warps=WARPS,
         launch_pdl=bool(pdl_launch(hidden).get("launch_pdl")),
     )
