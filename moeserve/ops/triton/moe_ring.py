@@ -64,11 +64,14 @@ def _items(units, HIDDEN: gl.constexpr, UPH: gl.constexpr):
 
 
 @gluon.jit
-def _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr, ids_ptr, issued, consumed, piece,
-           item, limit, known, HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr,
-           EXPERTS: gl.constexpr, SLOTS: gl.constexpr, UPH: gl.constexpr):
+def _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, limit, known,
+           HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
+           SLOTS: gl.constexpr, UPH: gl.constexpr):
     """Copy the next items, in use order, into free ring slots, up to piece `limit`. Until `known`
-    (the router's ids are readable) only fixed-expert pieces may be in range. -> (issued, piece, item)."""
+    (the router's ids are readable) only fixed-expert pieces may be in range. descs: the w13, wide
+    and narrow w2 descriptors; rings: the ring viewed as their boxes. -> (issued, piece, item)."""
+    w13_desc, w2w_desc, w2n_desc = descs
+    ring, ring_w, ring_n = rings
     go = (issued - consumed < SLOTS) & (piece < limit)
     while go:
         slot, units, k0 = _piece(gl.load(pieces_ptr + piece))
@@ -138,6 +141,47 @@ def _consume_down(ring, ready, consumed, act, out_rows, first, SLOTS: gl.constex
 
 
 @gluon.jit
+def _gate_up(stream, x_smem, act, weight, units, issued, consumed, piece, item, HIDDEN: gl.constexpr,
+             INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
+             UPH: gl.constexpr, layout: gl.constexpr):
+    """A piece's gate/up units: act[u] = weight * silu(gate) * up for each GRAIN rows, zeros past
+    the piece up to NARROW rows. stream: (descs, rings, ready, pieces, ids, pieces in all).
+    -> (issued, consumed, piece, item) of the ring."""
+    descs, rings, ready, pieces_ptr, ids_ptr, count = stream
+    S: gl.constexpr = descs[0].block_type.shape[1]
+    for u in range(units):
+        acc0 = gl.zeros([_GRAIN, S, _COLS], gl.float32, layout)
+        acc1 = gl.zeros([_GRAIN, S, _COLS], gl.float32, layout)
+        for half in range(UPH):
+            consumed, acc0, acc1 = _consume_up(rings[0], ready, consumed, x_smem, half, acc0, acc1, SLOTS, layout)
+            issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item,
+                                         count, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+        gate = gl.sum(gl.sum(acc0, axis=2), axis=1)
+        up = gl.sum(gl.sum(acc1, axis=2), axis=1)
+        # Rounded where the two-launch path stores its activations, then weighted.
+        act.index(u).store((gate / (1.0 + gl.exp(-gate)) * up).to(descs[0].dtype).to(gl.float32) * weight)
+    for u in range(units, _NARROW // _GRAIN):  # a narrow box's columns past the piece meet zeros
+        act.index(u).store(gl.zeros([_GRAIN], gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    return issued, consumed, piece, item
+
+
+@gluon.jit
+def _down(stream, ring, act, out_rows, issued, consumed, piece, item, ITEMS: gl.constexpr, HIDDEN: gl.constexpr,
+          INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
+          UPH: gl.constexpr, layout: gl.constexpr):
+    """A piece's down columns (ITEMS items of two [BH, K] boxes, `ring` viewed so) times its
+    activations (act.index(0), [K]), added into the program's output rows (BH each).
+    -> (issued, consumed, piece, item) of the ring."""
+    descs, rings, ready, pieces_ptr, ids_ptr, count = stream
+    a = gl.expand_dims(act.index(0).load(gl.SliceLayout(0, layout)), 0)
+    for d in range(ITEMS):
+        consumed = _consume_down(ring, ready, consumed, a, out_rows, 2 * d, SLOTS, layout)
+        issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count,
+                                     True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+    return issued, consumed, piece, item
+
+
+@gluon.jit
 def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, out_ptr, table_ptr, sync_ptr,
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
                      WIDTH: gl.constexpr, SLOTS: gl.constexpr, EARLY: gl.constexpr, H_PAD: gl.constexpr,
@@ -176,6 +220,8 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
     act_n = act._reinterpret(gl.float32, [_WIDE // _NARROW, _NARROW], rows_of)
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
+    descs = (w13_desc, w2w_desc, w2n_desc)
+    rings = (ring, ring_w, ring_n)
     head = table_ptr + pid * WIDTH
     pieces_ptr = head + _HEAD
     early = gl.load(head)
@@ -183,9 +229,8 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
     zero = pid * 0  # loop-carried counters must start as tensors
     # The shared experts' weights need no routing: issue them before waiting for the router.
     # (As if SLOTS - EARLY items were already in use, so at most EARLY are issued.)
-    issued, piece, item = _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr, ids_ptr,
-                                 zero, zero + EARLY - SLOTS, zero, zero, early, False, HIDDEN, INTER, NSLOTS, EXPERTS,
-                                 SLOTS, UPH)
+    issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, zero, zero + EARLY - SLOTS, zero, zero,
+                                 early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
     acc_all.store(gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l))
     o_rows = gl.arange(0, ACC_ROWS, layout=gl.SliceLayout(1, out_l))[:, None]
     o_cols = gl.arange(0, _WIDE_H, layout=gl.SliceLayout(0, out_l))[None, :]
@@ -196,46 +241,27 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
         gl.thread_barrier()
         gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
     consumed = zero
-    issued, piece, item = _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr, ids_ptr,
-                                 issued, consumed, piece, item, count, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+    issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count, True,
+                                 HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
     r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, flat))[:, None]
     c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, flat))[None, :]
     x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
     for p in range(count):
         slot, units, k0 = _piece(gl.load(pieces_ptr + p))
-        weight = gl.load(weights_ptr + slot)
-        for u in range(units):
-            acc0 = gl.zeros([_GRAIN, S, _COLS], gl.float32, up_l)
-            acc1 = gl.zeros([_GRAIN, S, _COLS], gl.float32, up_l)
-            for half in range(UPH):
-                consumed, acc0, acc1 = _consume_up(ring, ready, consumed, x_smem, half, acc0, acc1, SLOTS, up_l)
-                issued, piece, item = _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr,
-                                             ids_ptr, issued, consumed, piece, item, count, True, HIDDEN, INTER,
-                                             NSLOTS, EXPERTS, SLOTS, UPH)
-            gate = gl.sum(gl.sum(acc0, axis=2), axis=1)
-            up = gl.sum(gl.sum(acc1, axis=2), axis=1)
-            # Rounded where the two-launch path stores its activations, then weighted.
-            a = (gate / (1.0 + gl.exp(-gate)) * up).to(dtype).to(gl.float32) * weight
-            act.index(u).store(a)
+        stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
+        issued, consumed, piece, item = _gate_up(stream, x_smem, act, gl.load(weights_ptr + slot), units, issued,
+                                                 consumed, piece, item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH,
+                                                 up_l)
+        gl.thread_barrier()  # the piece's activations are in
         if units * _GRAIN <= _NARROW:
-            for u in range(units, _NARROW // _GRAIN):  # columns past the piece meet zeros
-                act.index(u).store(gl.zeros([_GRAIN], gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, up_l))))
-            gl.thread_barrier()
-            a_n = gl.expand_dims(act_n.index(0).load(gl.SliceLayout(0, narrow_l)), 0)
-            for d in range(HIDDEN // (2 * _NARROW_H)):
-                consumed = _consume_down(ring_n, ready, consumed, a_n, acc_n, 2 * d, SLOTS, narrow_l)
-                issued, piece, item = _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr,
-                                             ids_ptr, issued, consumed, piece, item, count, True, HIDDEN, INTER,
-                                             NSLOTS, EXPERTS, SLOTS, UPH)
+            issued, consumed, piece, item = _down(stream, ring_n, act_n, acc_n, issued, consumed, piece, item,
+                                                  HIDDEN // (2 * _NARROW_H), HIDDEN, INTER, NSLOTS, EXPERTS,
+                                                  SLOTS, UPH, narrow_l)
         else:
-            gl.thread_barrier()
-            a_w = gl.expand_dims(act_w.index(0).load(gl.SliceLayout(0, wide_l)), 0)
-            for d in range(HIDDEN // (2 * _WIDE_H)):
-                consumed = _consume_down(ring_w, ready, consumed, a_w, acc, 2 * d, SLOTS, wide_l)
-                issued, piece, item = _issue(w13_desc, w2w_desc, w2n_desc, ring, ring_w, ring_n, ready, pieces_ptr,
-                                             ids_ptr, issued, consumed, piece, item, count, True, HIDDEN, INTER,
-                                             NSLOTS, EXPERTS, SLOTS, UPH)
+            issued, consumed, piece, item = _down(stream, ring_w, act_w, acc, issued, consumed, piece, item,
+                                                  HIDDEN // (2 * _WIDE_H), HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS,
+                                                  UPH, wide_l)
         # The next piece's activations and output rows belong to other threads.
         gl.thread_barrier()
     for i in gl.static_range(SLOTS):
