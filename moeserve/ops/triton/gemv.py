@@ -224,8 +224,7 @@ def add_norm_linear(
     one_kernel = (
         residual.dim() == 2 and 0 < rows <= ADD_NORM_MAX_ROWS and fits(residual, weight) and weight.shape[1] == width
         and residual.dtype == weight.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
-        and (x.dtype == residual.dtype or (x.dim() == 3 and x.dtype == torch.float32))
-    )
+    )  # x's dtype (the residual's, or float32 parts) is check_inputs' to judge
     if not one_kernel:  # the norm checks the inputs itself
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), summed

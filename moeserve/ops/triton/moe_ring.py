@@ -247,9 +247,9 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
     c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, flat))[None, :]
     x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
+    stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
     for p in range(count):
-        slot, units, k0 = _piece(gl.load(pieces_ptr + p))
-        stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
+        slot, units, _ = _piece(gl.load(pieces_ptr + p))
         issued, consumed, piece, item = _gate_up(stream, x_smem, act, gl.load(weights_ptr + slot), units, issued,
                                                  consumed, piece, item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH,
                                                  up_l)
@@ -349,7 +349,7 @@ def shape_fits(hidden: int, inter: int, nslots: int) -> bool:
     """Whether the kernel tiles these widths: whole pieces and down boxes, and room for the ring."""
     return (
         hidden % (2 * NARROW_H) == 0 and inter % WIDE == 0 and inter < 65536 and nslots <= 255
-        and ring_slots(hidden, inter) >= 3
+        and ring_slots(hidden) >= 3
     )
 
 
@@ -371,10 +371,15 @@ def _x_pad(hidden: int) -> int:
     return max(SLICES, triton.next_power_of_2(hidden // COLS))
 
 
-def ring_slots(hidden: int, inter: int, itemsize: int = 2) -> int:
-    """Items the ring holds for this shape: as many as fit beside the staged token, the output row
+def _acc_rows(hidden: int) -> int:
+    """Rows of WIDE_H the program's float32 output row takes: a power of two."""
+    return triton.next_power_of_2(hidden // WIDE_H)
+
+
+def ring_slots(hidden: int, itemsize: int = 2) -> int:
+    """Items the ring holds for this width: as many as fit beside the staged token, the output row
     and the activations, up to MAX_SLOTS."""
-    beside = _x_pad(hidden) * COLS * itemsize + 4 * (triton.next_power_of_2(hidden // WIDE_H) * WIDE_H + WIDE)
+    beside = _x_pad(hidden) * COLS * itemsize + 4 * (_acc_rows(hidden) * WIDE_H + WIDE)
     return min(MAX_SLOTS, (SHARED_BYTES - beside) // (2 * GRAIN * SLICES * COLS * itemsize))
 
 
@@ -408,12 +413,12 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     programs = sm_count(hidden.device)
     table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail)
     out = torch.empty(1, 1, width, dtype=torch.float32, device=hidden.device)
-    slots = ring_slots(width, inter, hidden.element_size())
+    slots = ring_slots(width, hidden.element_size())
     _moe_ring_kernel[(programs,)](
         hidden, *_descriptors(w13, w2), topk_weights.reshape(-1).float(), topk_ids.reshape(-1), out, table, sync,
         HIDDEN=width, INTER=inter, NSLOTS=nslots, EXPERTS=experts, WIDTH=table.shape[1], SLOTS=slots,
         EARLY=min(EARLY_ITEMS, slots), H_PAD=_x_pad(width),
-        ACC_ROWS=triton.next_power_of_2(width // WIDE_H), num_warps=WARPS,
+        ACC_ROWS=_acc_rows(width), num_warps=WARPS,
         launch_pdl=bool(pdl_launch(hidden).get("launch_pdl")),
     )
     return out
