@@ -24,6 +24,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from moeserve import ops  # noqa: E402
 from moeserve.ops.triton import fused_moe as fm  # noqa: E402
 from moeserve.ops.triton import moe_ring as mr  # noqa: E402
+from moeserve.ops.triton import moe_ring_plan as plan  # noqa: E402
 from moeserve.ops.triton.tune_moe import time_us  # noqa: E402
 
 EXPERTS, SHARED, TOPK, HIDDEN, INTER = 66, 2, 6, 2048, 1408
@@ -31,6 +32,7 @@ EXPERTS, SHARED, TOPK, HIDDEN, INTER = 66, 2, 6, 2048, 1408
 VARIANTS = (("two_launches", 0, {}), ("ring", 1, {}), ("ring_slots4", 1, {"MAX_SLOTS": 4}),
             ("ring_warps16", 1, {"WARPS": 16}), ("two_launches_again", 0, {}), ("ring_again", 1, {}))
 SETTINGS = ("WARPS", "MAX_SLOTS")
+OWNER = {"WARPS": mr, "MAX_SLOTS": plan}  # the module each setting lives in
 RULES = dict(top_k=TOPK, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
              routed_scaling_factor=1.0, correction_bias=None, scale_after_norm=False, num_shared=SHARED)
 
@@ -67,20 +69,20 @@ def main() -> None:
     moe_mb = 8 * 3 * HIDDEN * INTER * 2 / 1e6
     entry = time_us(lambda: chain(layers, x, residual, experts=False), 20, flush) / a.layers
     rows = []
-    shipped = {key: getattr(mr, key) for key in SETTINGS}
+    shipped = {key: getattr(OWNER[key], key) for key in SETTINGS}
     for name, ring, settings in VARIANTS:
         fm.RING_MAX_TOKENS = ring
         for key, value in {**shipped, **settings}.items():
-            setattr(mr, key, value)
+            setattr(OWNER[key], key, value)
         us = time_us(lambda: chain(layers, x, residual), 20, flush) / a.layers - entry
         floor = moe_mb * 1e3 / gbs
-        rows.append({"variant": name, **{key.lower(): getattr(mr, key) for key in SETTINGS}, "moe_us_per_layer": round(us, 2), "floor_us": round(floor, 2),
+        rows.append({"variant": name, **{key.lower(): getattr(OWNER[key], key) for key in SETTINGS}, "moe_us_per_layer": round(us, 2), "floor_us": round(floor, 2),
                      "ratio": round(us / floor, 3)})
         print(f"{name:20s} MoE {us:6.2f} us a layer (entry kernels {entry:.2f} us apart), {moe_mb:.1f} MB: "
               f"{us / floor:.3f}x its bytes at {gbs / 1e3:.2f} TB/s")
     fm.RING_MAX_TOKENS = 1
     for key, value in shipped.items():
-        setattr(mr, key, value)
+        setattr(OWNER[key], key, value)
     if a.json:
         write_results(a.json, [record("moe_ring_b1", "cuda", read_gbs=round(gbs, 1), layers=a.layers, rows=rows)])
 

@@ -77,7 +77,7 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention over the already normalised hidden states [T, hidden] -> [T, hidden]."""
-        return self._attend(positions, _linear(self.fused_qkv_a_proj, hidden), batch)
+        return self.attend(positions, _linear(self.fused_qkv_a_proj, hidden), batch)
 
     def add_norm_forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, batch: ForwardBatch
@@ -86,9 +86,10 @@ class MLAAttention(nn.Module):
         inside the first projection's kernel. x may be a MoE's per-expert parts [T, slots, hidden]."""
         proj = self.fused_qkv_a_proj
         qkv_a, residual = ops.add_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        return self._attend(positions, qkv_a, batch), residual
+        return self.attend(positions, qkv_a, batch), residual
 
-    def _attend(self, positions: torch.Tensor, qkv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention from fused_qkv_a_proj's output [T, q_a + kv_a] (computed by the caller) -> [T, hidden]."""
         q, kv = self._project(qkv_a)
         cache = batch.kv_cache.layer(self.layer_idx)
         kv_scale = batch.kv_cache.kv_scale

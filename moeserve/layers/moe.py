@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ops.skinny_bmm(x.unsqueeze(0), weight.unsqueeze(0), out.unsqueeze(0))
         return out
     return ops.linear(x, weight, out_dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class NextProjection:
+    """A MoE layer's output already taken through the next layer's residual add, norm and first
+    projection (`out`): returned in its place when the caller asks for it (MoE.add_norm_forward's
+    `then`), with the residual beside it already the sum."""
+
+    out: torch.Tensor
 
 
 class Router(nn.Module):
@@ -187,12 +197,17 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, self.experts.num_shared if shared else 0)
         return self._experts(x, weights, ids, shared, sum_slots)
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, then: tuple[RMSNorm, nn.Linear] | None = None
+    ) -> tuple[torch.Tensor | NextProjection, torch.Tensor]:
         """(forward(norm(x + residual), sum_slots=False), x + residual); up to NORM_ROUTE_MAX_TOKENS
         the add + norm, router and expert selection are one kernel.
 
         In the dual-stream range the pair is (routed experts' parts, x + residual + shared experts'
         output): the same sum for the next add + norm, with the shared part on the second stream.
+        Given `then` (the next layer's norm and first projection), the pair is instead
+        (NextProjection(proj(next_norm(out + residual))), out + residual), out being the first
+        pair's sum: at one token on the GPU, the experts' kernel computes it in the same launch.
         """
         dual = self._dual_stream(x)
         shared = not dual and self._shared_in_kernels(x)
@@ -202,10 +217,23 @@ class MoE(nn.Module):
         else:
             *route, normed, residual = self.gate(x, self.experts.num_shared if shared else 0, residual, norm)
         if dual:
-            return self._dual_stream_forward(normed, residual, route)
-        if route is None:
-            return self(normed, sum_slots=False), residual
-        return self._experts(normed, *route, shared, sum_slots=False), residual
+            parts, residual = self._dual_stream_forward(normed, residual, route)
+        elif route is None:
+            parts = self(normed, sum_slots=False)
+        elif then is not None and (shared or not self.experts.num_shared):
+            experts, (next_norm, proj) = self.experts, then
+            out, residual = ops.fused_moe_add_norm_linear(
+                normed, experts.w13_weight, experts.w2_weight, *route, residual, next_norm.weight, next_norm.eps,
+                proj.weight, proj.bias, fixed_tail=experts.num_shared if shared else 0,
+            )
+            return NextProjection(out), residual
+        else:
+            parts = self._experts(normed, *route, shared, sum_slots=False)
+        if then is None:
+            return parts, residual
+        next_norm, proj = then
+        out, residual = ops.add_norm_linear(parts, residual, next_norm.weight, next_norm.eps, proj.weight, proj.bias)
+        return NextProjection(out), residual
 
     def _dual_stream(self, x: torch.Tensor) -> bool:
         tokens = x.shape[0]

@@ -9,7 +9,7 @@ from moeserve.config.model_config import ModelConfig
 from moeserve.core.batch import ForwardBatch
 from moeserve.layers.attention import MLAAttention
 from moeserve.layers.mlp import GatedMLP
-from moeserve.layers.moe import MoE
+from moeserve.layers.moe import MoE, NextProjection
 from moeserve.layers.norm import RMSNorm
 
 
@@ -27,20 +27,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | NextProjection,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        next_layer: DecoderLayer | None = None,
+    ) -> tuple[torch.Tensor | NextProjection, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it); the caller adds them.
 
         Deferring each residual add into the next norm lets one fused op do add + norm. A MoE's
-        output may be its per-expert parts [T, slots, H]: that op sums them too.
+        output may be its per-expert parts [T, slots, H]: that op sums them too. A MoE layer given
+        `next_layer` returns that layer's input already through its add, norm and first projection
+        (a NextProjection, with the summed residual), which the next layer then starts from.
         """
-        if residual is None:
+        if isinstance(hidden, NextProjection):
+            assert residual is not None
+            hidden = self.self_attn.attend(positions, hidden.out, batch)
+        elif residual is None:
             residual = hidden
             hidden = self.self_attn(positions, self.input_layernorm(hidden), batch)
         else:
             hidden, residual = self.self_attn.add_norm_forward(positions, hidden, residual, self.input_layernorm, batch)
         if isinstance(self.mlp, MoE):
-            return self.mlp.add_norm_forward(hidden, residual, self.post_attention_layernorm)
+            then = None if next_layer is None else (next_layer.input_layernorm, next_layer.self_attn.fused_qkv_a_proj)
+            return self.mlp.add_norm_forward(hidden, residual, self.post_attention_layernorm, then)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -56,8 +67,10 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
+        layers = list(self.layers)
+        for layer, next_layer in zip(layers, [*layers[1:], None], strict=True):
+            hidden, residual = layer(positions, hidden, residual, batch, next_layer)
+        assert not isinstance(hidden, NextProjection)  # the last layer has no next one
         return self.norm.add_and_norm(hidden, residual)[0]
 
 

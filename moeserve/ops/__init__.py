@@ -50,6 +50,7 @@ mla_decode = _dispatch("mla_decode", _ref_attention.mla_decode, "mla_decode")
 mla_extend_absorbed = _dispatch("mla_extend_absorbed", _ref_attention.mla_extend_absorbed, "mla_extend")
 varlen_attention = _dispatch("varlen_attention", _ref_attention.varlen_attention, "flash_attention")
 fused_moe = _dispatch("fused_moe", _ref_moe.fused_moe, "fused_moe")
+fused_moe_add_norm_linear = _dispatch("fused_moe_add_norm_linear", _ref_moe.fused_moe_add_norm_linear, "fused_moe")
 add_norm_route = _dispatch("add_norm_route", _ref_moe.add_norm_route, "norm_route")
 select_experts = _dispatch("select_experts", _ref_moe.select_experts, "routing")
 rms_norm = _dispatch("rms_norm", _ref_norm.rms_norm, "norm")
@@ -70,6 +71,7 @@ __all__ = [
     "argmax_rows",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_moe_add_norm_linear",
     "gather_kv",
     "linear",
     "per_head_matmul",

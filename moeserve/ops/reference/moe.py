@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.reference.linear import linear
+from moeserve.ops.reference.linear import add_norm_linear, linear
 from moeserve.ops.reference.norm import fused_add_rms_norm
 
 
@@ -103,6 +103,26 @@ def fused_moe(
     for rows, _, y in _weighted_outputs(hidden, w13, w2, topk_weights, topk_ids):
         out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
+
+
+def fused_moe_add_norm_linear(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fixed_tail: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(moe + residual)), moe + residual), moe being `fused_moe`'s output: a MoE
+    layer's experts and then the next layer's residual add, norm and first projection (one kernel
+    on the GPU at one token)."""
+    parts = fused_moe(hidden, w13, w2, topk_weights, topk_ids, sum_slots=False, fixed_tail=fixed_tail)
+    return add_norm_linear(parts, residual, norm_weight, eps, weight, bias)
 
 
 def add_norm_route(

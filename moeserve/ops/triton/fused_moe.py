@@ -48,6 +48,10 @@ _MODE_IDS = {"gemv": 0, "swap": 1, "dot": 2}
 # [1, 1, H] (one slot) rather than per-expert parts, which the next add + RMSNorm takes as well.
 # H200, V2-Lite, batch-1 decode-graph replay 1.948 -> 1.859 ms (-4.6%; benchmarks/ab_decode.py).
 RING_MAX_TOKENS = 1
+# On the ring kernel, the next layer's residual add + RMSNorm + first projection run in its tail
+# (fused_moe_add_norm_linear): their weights stream through the ring while the MoE's last programs
+# finish, and a grid barrier replaces the kernel boundary.
+RING_TAIL = True
 
 
 @triton.jit
@@ -499,3 +503,32 @@ def fused_moe(
     plan = plan_route(topk_weights, topk_ids, w13.shape[0], config)
     out = moe_down(moe_up(hidden, w13, plan), w2, plan)
     return moe_topk_sum(out, plan.topk) if sum_slots else out.view(*topk_ids.shape, hidden.shape[1])
+
+
+def fused_moe_add_norm_linear(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fixed_tail: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_moe` and then `add_norm_linear` on its output; see the reference. At one token on the
+    ring kernel, one launch (`moe_ring`'s tail)."""
+    if RING_TAIL and hidden.shape[0] <= RING_MAX_TOKENS:
+        from moeserve.ops.triton import moe_ring  # Gluon: imported only where it may run
+
+        then = moe_ring.Tail(residual, norm_weight, eps, weight, bias)
+        _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+        usable = moe_ring.ring_usable(hidden, w13, topk_ids) and w2.is_contiguous() and w2.dtype == w13.dtype
+        if usable and moe_ring.tail_usable(hidden, w13, then):
+            return moe_ring.moe_ring(hidden.contiguous(), w13, w2, topk_weights, topk_ids, fixed_tail, then)
+    from moeserve.ops.triton.gemv import add_norm_linear
+
+    parts = fused_moe(hidden, w13, w2, topk_weights, topk_ids, sum_slots=False, fixed_tail=fixed_tail)
+    return add_norm_linear(parts, residual, norm_weight, eps, weight, bias)

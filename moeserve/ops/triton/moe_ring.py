@@ -19,72 +19,98 @@ columns are one 128-byte run per weight row), shared experts in runs of at most 
 such piece per program, to even out the bytes. The shared experts need no routing, so each
 program's shared piece comes first and its copies are issued before the kernel waits for the
 router (PDL): they stream while the kernel before it still runs.
+
+The tail (`then`): the next layer's residual add + RMSNorm + first projection (fused_qkv_a) in the
+same launch. Each program's run of that projection's rows is its last piece, so those weights
+stream into the ring while the MoE's last programs finish; after the atomics a grid barrier
+replaces the kernel boundary, and every program normalises the summed row itself. The host side
+(tile sizes, dealing, what fits) is in moe_ring_plan.py.
 """
 
 from __future__ import annotations
 
-import heapq
+from typing import NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moeserve.ops.triton.device import sm_count
+from moeserve.ops.triton.moe_ring_plan import (
+    COLS,
+    GRAIN,
+    HEAD,
+    NARROW,
+    NARROW_H,
+    SLICES,
+    TAIL_SLOT,
+    WIDE,
+    WIDE_H,
+    acc_rows,
+    ring_slots,
+    shape_fits,
+    tail_fits,
+    tail_items,
+    work_table,
+    x_pad,
+)
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
-COLS = 64  # a gate/up box's columns: 128 bytes of bf16, the TMA swizzle's width
-SLICES = 16  # runs of 64 hidden columns a gate/up box holds: a box is [GRAIN, SLICES, 64], 16 KB
-GRAIN = 8  # intermediate rows of a gate/up unit; every piece is a multiple
-WIDE = 64  # rows of a routed piece; its down box is [WIDE_H, 64] (hidden rows x the piece's columns)
-NARROW = 32  # most rows of a shared piece; its down box is [NARROW_H, 32]
-WIDE_H, NARROW_H = 128, 256  # both down boxes are 16 KB, as a gate/up box is
-MAX_SLOTS = 8  # items (two boxes, 32 KB) the ring holds at most
 EARLY_ITEMS = 8  # items a program may issue before its PDL wait (the kernel before it still runs)
-SHARED_BYTES = 216 * 1024  # the ring, the staged token, the output row and the activations
 WARPS = 8
-HEAD = 2  # table columns before a program's pieces: pieces issuable before the router, all pieces
+# With the tail, read the out-zeroed flag after the first piece rather than at the end, off the
+# barrier's path (b1 decode replay on H200: 1.866 -> 1.856 ms; without the tail it is 2% slower).
+CHECK_EARLY = True
 _COLS, _GRAIN, _HEAD, _WIDE = gl.constexpr(COLS), gl.constexpr(GRAIN), gl.constexpr(HEAD), gl.constexpr(WIDE)
 _NARROW, _WIDE_H, _NARROW_H = gl.constexpr(NARROW), gl.constexpr(WIDE_H), gl.constexpr(NARROW_H)
+_TAIL_SLOT = gl.constexpr(TAIL_SLOT)
 
 
 @gluon.jit
 def _piece(code):
-    """A piece's code -> (slot, gate/up units of GRAIN rows, first intermediate row)."""
+    """A piece's code -> (slot, units of GRAIN rows, first row)."""
     return code >> 24, (code >> 16) & 255, code & 65535
 
 
 @gluon.jit
-def _items(units, HIDDEN: gl.constexpr, UPH: gl.constexpr):
-    """A piece's items: UPH per gate/up unit, then its down items (two boxes of hidden rows each)."""
+def _items(slot, units, HIDDEN: gl.constexpr, UPH: gl.constexpr, TI: gl.constexpr):
+    """A piece's items: UPH per gate/up unit, then its down items (two boxes of hidden rows each);
+    a tail piece's, TI per unit."""
     down = gl.where(units * _GRAIN <= _NARROW, HIDDEN // (2 * _NARROW_H), HIDDEN // (2 * _WIDE_H))
-    return units * UPH + down
+    return gl.where(slot == _TAIL_SLOT, units * TI, units * UPH + down)
 
 
 @gluon.jit
 def _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, limit, known,
            HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
-           SLOTS: gl.constexpr, UPH: gl.constexpr):
+           SLOTS: gl.constexpr, UPH: gl.constexpr, TI: gl.constexpr):
     """Copy the next items, in use order, into free ring slots, up to piece `limit`. Until `known`
     (the router's ids are readable) only fixed-expert pieces may be in range. descs: the w13, wide
-    and narrow w2 descriptors; rings: the ring viewed as their boxes. -> (issued, piece, item)."""
-    w13_desc, w2w_desc, w2n_desc = descs
+    and narrow w2, and tail descriptors; rings: the ring viewed as their boxes. -> (issued, piece, item)."""
+    w13_desc, w2w_desc, w2n_desc, tail_desc = descs
     ring, ring_w, ring_n = rings
+    S: gl.constexpr = w13_desc.block_type.shape[1]
     go = (issued - consumed < SLOTS) & (piece < limit)
     while go:
         slot, units, k0 = _piece(gl.load(pieces_ptr + piece))
         expert = EXPERTS - NSLOTS + slot
-        if known:
-            expert = gl.load(ids_ptr + slot).to(gl.int32)
+        if known:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
+            if slot < NSLOTS:
+                expert = gl.load(ids_ptr + slot).to(gl.int32)
         stage = issued % SLOTS
         bar = ready.index(stage)
         mbarrier.expect(bar, 2 * w13_desc.block_type.nbytes)
         ups = units * UPH
-        if item < ups:  # GRAIN gate rows and the same up rows, SLICES runs of the hidden width
+        if slot == _TAIL_SLOT:  # GRAIN rows of the tail projection, two runs of S slices
+            row = k0 + (item // TI) * _GRAIN
+            col = (item % TI) * 2 * S
+            tma.async_copy_global_to_shared(tail_desc, [row, col, 0], bar, ring.index(2 * stage))
+            tma.async_copy_global_to_shared(tail_desc, [row, col + S, 0], bar, ring.index(2 * stage + 1))
+        elif item < ups:  # GRAIN gate rows and the same up rows, S slices of the hidden width
             row = expert * 2 * INTER + k0 + (item // UPH) * _GRAIN
-            col = (item % UPH) * w13_desc.block_type.shape[1]
+            col = (item % UPH) * S
             tma.async_copy_global_to_shared(w13_desc, [row, col, 0], bar, ring.index(2 * stage))
             tma.async_copy_global_to_shared(w13_desc, [row + INTER, col, 0], bar, ring.index(2 * stage + 1))
         elif units * _GRAIN <= _NARROW:  # the piece's down columns for 2 * NARROW_H hidden rows
@@ -97,7 +123,7 @@ def _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, it
             tma.async_copy_global_to_shared(w2w_desc, [row + _WIDE_H, k0], bar, ring_w.index(2 * stage + 1))
         issued += 1
         item += 1
-        if item == _items(units, HIDDEN, UPH):
+        if item == _items(slot, units, HIDDEN, UPH, TI):
             item = item * 0
             piece += 1
         go = (issued - consumed < SLOTS) & (piece < limit)
@@ -113,13 +139,24 @@ def _free(consumed):
 
 
 @gluon.jit
-def _consume_up(ring, ready, consumed, x_smem, half, acc0, acc1, SLOTS: gl.constexpr, layout: gl.constexpr):
-    """Add the oldest item's gate and up boxes times the token's slices `half` to the accumulators."""
+def _multiply_item(ring, ready, consumed, x_smem, half0, half1, acc0, acc1, SLOTS: gl.constexpr,
+                   layout: gl.constexpr):
+    """Add the oldest item's two boxes times the token's slices half0 and half1 to the accumulators
+    (a gate/up item: gate and up rows, the same slices; a tail item: the same rows, two runs)."""
     stage = consumed % SLOTS
     mbarrier.wait(ready.index(stage), (consumed // SLOTS) & 1)
-    vec = gl.expand_dims(x_smem.index(half).load(gl.SliceLayout(0, layout)).to(gl.float32), 0)
-    acc0 += ring.index(2 * stage).load(layout).to(gl.float32) * vec
-    acc1 += ring.index(2 * stage + 1).load(layout).to(gl.float32) * vec
+    vec_l: gl.constexpr = gl.SliceLayout(0, layout)
+    vec0 = gl.expand_dims(x_smem.index(half0).load(vec_l).to(gl.float32), 0)
+    vec1 = gl.expand_dims(x_smem.index(half1).load(vec_l).to(gl.float32), 0)
+    acc0 += ring.index(2 * stage).load(layout).to(gl.float32) * vec0
+    acc1 += ring.index(2 * stage + 1).load(layout).to(gl.float32) * vec1
+    return acc0, acc1
+
+
+@gluon.jit
+def _consume_up(ring, ready, consumed, x_smem, half, acc0, acc1, SLOTS: gl.constexpr, layout: gl.constexpr):
+    """A gate/up item into the accumulators, its slot then freed."""
+    acc0, acc1 = _multiply_item(ring, ready, consumed, x_smem, half, half, acc0, acc1, SLOTS, layout)
     return _free(consumed), acc0, acc1
 
 
@@ -143,7 +180,7 @@ def _consume_down(ring, ready, consumed, act, out_rows, first, SLOTS: gl.constex
 @gluon.jit
 def _gate_up(stream, x_smem, act, weight, units, issued, consumed, piece, item, HIDDEN: gl.constexpr,
              INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
-             UPH: gl.constexpr, layout: gl.constexpr):
+             UPH: gl.constexpr, TI: gl.constexpr, layout: gl.constexpr):
     """A piece's gate/up units: act[u] = weight * silu(gate) * up for each GRAIN rows, zeros past
     the piece up to NARROW rows. stream: (descs, rings, ready, pieces, ids, pieces in all).
     -> (issued, consumed, piece, item) of the ring."""
@@ -155,7 +192,7 @@ def _gate_up(stream, x_smem, act, weight, units, issued, consumed, piece, item, 
         for half in range(UPH):
             consumed, acc0, acc1 = _consume_up(rings[0], ready, consumed, x_smem, half, acc0, acc1, SLOTS, layout)
             issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item,
-                                         count, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+                                         count, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
         gate = gl.sum(gl.sum(acc0, axis=2), axis=1)
         up = gl.sum(gl.sum(acc1, axis=2), axis=1)
         # Rounded where the two-launch path stores its activations, then weighted.
@@ -168,7 +205,7 @@ def _gate_up(stream, x_smem, act, weight, units, issued, consumed, piece, item, 
 @gluon.jit
 def _down(stream, ring, act, out_rows, issued, consumed, piece, item, ITEMS: gl.constexpr, HIDDEN: gl.constexpr,
           INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
-          UPH: gl.constexpr, layout: gl.constexpr):
+          UPH: gl.constexpr, TI: gl.constexpr, layout: gl.constexpr):
     """A piece's down columns (ITEMS items of two [BH, K] boxes, `ring` viewed so) times its
     activations (act.index(0), [K]), added into the program's output rows (BH each).
     -> (issued, consumed, piece, item) of the ring."""
@@ -177,19 +214,85 @@ def _down(stream, ring, act, out_rows, issued, consumed, piece, item, ITEMS: gl.
     for d in range(ITEMS):
         consumed = _consume_down(ring, ready, consumed, a, out_rows, 2 * d, SLOTS, layout)
         issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count,
-                                     True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+                                     True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     return issued, consumed, piece, item
 
 
 @gluon.jit
-def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, out_ptr, table_ptr, sync_ptr,
+def _grid_barrier(sync_ptr):
+    """Wait until every program has arrived (counter sync[0]); each program's earlier writes,
+    every thread's, are visible to all after it (a release arrival after a CTA barrier)."""
+    gl.thread_barrier()
+    gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    while gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < gl.num_programs(0):
+        pass
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN: gl.constexpr,
+                      H_PAD: gl.constexpr, layout: gl.constexpr):
+    """x_rows <- rms_norm(out + residual) * gain, rounded as the add + norm kernels round (the sum
+    to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual)."""
+    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    ok = r < HIDDEN // _COLS
+    part = gl.load(out_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
+    res = gl.load(res_ptr + r * _COLS + c, mask=ok, other=0.0)
+    x = (part.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype)
+    if gl.program_id(0) == 0:
+        gl.store(sum_ptr + r * _COLS + c, x, mask=ok)
+    xf = x.to(gl.float32)
+    mean_sq = gl.sum(gl.sum(xf * xf, axis=1), axis=0) / HIDDEN
+    normed = (xf * gl.rsqrt(mean_sq + eps)).to(res.dtype).to(gl.float32)
+    gain = gl.load(gain_ptr + r * _COLS + c, mask=ok, other=0.0).to(gl.float32)
+    x_rows.store((normed * gain).to(res.dtype))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, HIDDEN: gl.constexpr,
+          INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
+          UPH: gl.constexpr, TI: gl.constexpr, HAS_BIAS: gl.constexpr, layout: gl.constexpr):
+    """The program's run of the tail projection's rows (its last piece, if any) times the staged
+    next input, stored rounded to the weights' dtype (+ bias). `layout` gives each warp whole rows,
+    so a row's sum stays inside its warp; slots are freed only while items remain to be issued."""
+    descs, rings, ready, pieces_ptr, ids_ptr, count = stream
+    S: gl.constexpr = descs[0].block_type.shape[1]
+    if moe_count < count:
+        _, units, k0 = _piece(gl.load(pieces_ptr + moe_count))
+        rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, layout))
+        for u in range(units):
+            acc0 = gl.zeros([_GRAIN, S, _COLS], gl.float32, layout)
+            acc1 = gl.zeros([_GRAIN, S, _COLS], gl.float32, layout)
+            for i in range(TI):
+                acc0, acc1 = _multiply_item(rings[0], ready, consumed, x_smem, 2 * i, 2 * i + 1, acc0, acc1, SLOTS,
+                                            layout)
+                if piece < count:
+                    consumed = _free(consumed)
+                    issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece,
+                                                 item, count, True, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
+                else:
+                    consumed += 1
+            y = gl.sum(gl.sum(acc0 + acc1, axis=2), axis=1)
+            rows = k0 + u * _GRAIN + gl.arange(0, _GRAIN, layout=rows_l)
+            if HAS_BIAS:
+                y += gl.load(bias_ptr + rows).to(gl.float32)
+            gl.store(proj_ptr + rows, y.to(descs[0].dtype))
+
+
+@gluon.jit
+def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr, ids_ptr, out_ptr, table_ptr,
+                     sync_ptr, res_ptr, gain_ptr, bias_ptr, proj_ptr, sum_ptr, eps,
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
                      WIDTH: gl.constexpr, SLOTS: gl.constexpr, EARLY: gl.constexpr, H_PAD: gl.constexpr,
-                     ACC_ROWS: gl.constexpr):
+                     ACC_ROWS: gl.constexpr, TAIL: gl.constexpr, TI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     CHECK_EARLY: gl.constexpr):
     """Program p: for each of its pieces, the gate/up units (act = weight * silu(gate) * up, kept in
     shared memory), then the piece's down columns times act, summed into the program's float32
     output row; at the end that row is added into out by atomics (program 0 zeroes out first).
-    sync: [programs out, out zeroed]."""
+    With TAIL, after a grid barrier, the next layer's add + norm of out and its rows of the next
+    projection (res, gain, tail_desc, bias -> sum, proj). sync: [programs out, out zeroed, programs done]."""
     pid = gl.program_id(0)
     n = gl.num_programs(0)
     S: gl.constexpr = w13_desc.block_type.shape[1]
@@ -202,6 +305,7 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
     narrow_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [nw, 1], [1, 0])
     flat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [nw, 1], [1, 0])
+    tail_l: gl.constexpr = gl.BlockedLayout([1, 4, 8], [1, 4, 8], [nw, 1, 1], [2, 1, 0])  # a warp a row
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     rows_of: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # for buffers indexed by row
     dtype: gl.constexpr = w13_desc.dtype
@@ -220,17 +324,18 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
     act_n = act._reinterpret(gl.float32, [_WIDE // _NARROW, _NARROW], rows_of)
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
-    descs = (w13_desc, w2w_desc, w2n_desc)
+    descs = (w13_desc, w2w_desc, w2n_desc, tail_desc)
     rings = (ring, ring_w, ring_n)
     head = table_ptr + pid * WIDTH
     pieces_ptr = head + _HEAD
     early = gl.load(head)
     count = gl.load(head + 1)
+    moe_count = gl.load(head + 2)
     zero = pid * 0  # loop-carried counters must start as tensors
     # The shared experts' weights need no routing: issue them before waiting for the router.
     # (As if SLOTS - EARLY items were already in use, so at most EARLY are issued.)
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, zero, zero + EARLY - SLOTS, zero, zero,
-                                 early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+                                 early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     acc_all.store(gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l))
     o_rows = gl.arange(0, ACC_ROWS, layout=gl.SliceLayout(1, out_l))[:, None]
     o_cols = gl.arange(0, _WIDE_H, layout=gl.SliceLayout(0, out_l))[None, :]
@@ -242,115 +347,80 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, weights_ptr, ids_ptr, 
         gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
     consumed = zero
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count, True,
-                                 HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH)
+                                 HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, flat))[:, None]
     c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, flat))[None, :]
     x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
     stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
-    for p in range(count):
+    zeroed = zero  # whether out is seen zeroed: checked after the first piece, off the end's path
+    for p in range(moe_count):
         slot, units, _ = _piece(gl.load(pieces_ptr + p))
         issued, consumed, piece, item = _gate_up(stream, x_smem, act, gl.load(weights_ptr + slot), units, issued,
                                                  consumed, piece, item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH,
-                                                 up_l)
+                                                 TI, up_l)
         gl.thread_barrier()  # the piece's activations are in
         if units * _GRAIN <= _NARROW:
             issued, consumed, piece, item = _down(stream, ring_n, act_n, acc_n, issued, consumed, piece, item,
                                                   HIDDEN // (2 * _NARROW_H), HIDDEN, INTER, NSLOTS, EXPERTS,
-                                                  SLOTS, UPH, narrow_l)
+                                                  SLOTS, UPH, TI, narrow_l)
         else:
             issued, consumed, piece, item = _down(stream, ring_w, act_w, acc, issued, consumed, piece, item,
                                                   HIDDEN // (2 * _WIDE_H), HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS,
-                                                  UPH, wide_l)
+                                                  UPH, TI, wide_l)
         # The next piece's activations and output rows belong to other threads.
         gl.thread_barrier()
-    for i in gl.static_range(SLOTS):
-        mbarrier.invalidate(ready.index(i))
-    while gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") < 1:  # out is zeroed
-        pass
+        if CHECK_EARLY:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
+            if p == 0:
+                zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    while zeroed < 1:  # out is zeroed
+        zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
     gl.atomic_add(out_ptr + o_rows * _WIDE_H + o_cols, acc_all.load(out_l), mask=o_rows < HIDDEN // _WIDE_H,
                   sem="relaxed", scope="gpu")
+    if TAIL:
+        _grid_barrier(sync_ptr)
+        # Past the barrier, so the counters may be reset once every program is: the last one to
+        # count itself does it, at the end (the count's round trip overlaps the tail's work).
+        last = gl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == n - 1
+        _stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN, H_PAD, flat)
+        _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, HIDDEN, INTER, NSLOTS,
+              EXPERTS, SLOTS, UPH, TI, HAS_BIAS, tail_l)
+    else:
+        last = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+    for i in gl.static_range(SLOTS):
+        mbarrier.invalidate(ready.index(i))
     # The last program out resets the counters for the next launch.
-    if gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == n - 1:
+    if last:
+        gl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
 
 
-def piece_bytes(rows: int, hidden: int) -> int:
-    """Weight bytes (bf16) a piece of `rows` intermediate rows reads: gate, up and its down box columns."""
-    return 2 * (2 * rows * hidden + (NARROW if rows <= NARROW else rows) * hidden)
+class Tail(NamedTuple):
+    """The next layer's input after the MoE, for the kernel to finish: norm(out + residual) @ weight^T (+ bias)."""
+
+    residual: torch.Tensor  # [1, H], the residual stream before the MoE's output is added
+    norm_weight: torch.Tensor  # [H]
+    eps: float
+    weight: torch.Tensor  # [N, H]
+    bias: torch.Tensor | None = None
 
 
-def deal_pieces(programs: int, hidden: int, inter: int, nslots: int, fixed_tail: int) -> list[list[tuple[int, int, int]]]:
-    """Per program, its pieces (slot, first intermediate row, rows), shared ones first: the routed
-    slots' WIDE-row runs to whichever program has the fewest bytes, then the shared slots' rows in
-    runs of at most NARROW, one run per program while any program has none, sized to even out the bytes."""
-    routed = nslots - fixed_tail
-    lists: list[list[tuple[int, int, int]]] = [[] for _ in range(programs)]
-    load = [(0, p) for p in range(programs)]
-    for slot in range(routed):
-        for k0 in range(0, inter, WIDE):
-            total, p = heapq.heappop(load)
-            lists[p].append((slot, k0, WIDE))
-            heapq.heappush(load, (total + piece_bytes(WIDE, hidden), p))
-    row_bytes = piece_bytes(WIDE, hidden) // WIDE
-    target = (sum(total for total, _ in load) + fixed_tail * inter * row_bytes) / programs
-    fresh = list(load)  # programs without a shared piece, by load
-    heapq.heapify(fresh)
-    for slot in range(routed, nslots):
-        k0 = 0
-        while k0 < inter:
-            heap = fresh if fresh else load
-            total, p = heapq.heappop(heap)
-            if heap is fresh:
-                load.remove((total, p))
-                heapq.heapify(load)
-            want = round((target - total) / row_bytes / GRAIN) * GRAIN
-            rows = min(inter - k0, NARROW, max(GRAIN, want))
-            lists[p].insert(0, (slot, k0, rows))
-            heapq.heappush(load, (total + piece_bytes(rows, hidden), p))
-            k0 += rows
-    return lists
-
-
-def work_table(programs: int, hidden: int, inter: int, nslots: int, fixed_tail: int) -> torch.Tensor:
-    """int32 [programs, HEAD + most pieces]: per program (pieces issuable before the router, all
-    pieces) and its piece codes (slot << 24 | units << 16 | first row)."""
-    lists = deal_pieces(programs, hidden, inter, nslots, fixed_tail)
-    width = HEAD + max(len(pieces) for pieces in lists)
-    rows = []
-    for pieces in lists:
-        early = 0
-        while early < len(pieces) and pieces[early][0] >= nslots - fixed_tail:
-            early += 1
-        codes = [(slot << 24) | (rows // GRAIN << 16) | k0 for slot, k0, rows in pieces]
-        rows.append([early, len(codes), *codes] + [0] * (width - HEAD - len(codes)))
-    return torch.tensor(rows, dtype=torch.int32)
-
-
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple, torch.Tensor] = {}
+_SYNC: dict[torch.device, torch.Tensor] = {}
 
 
 def _table_and_sync(device: torch.device, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The work table of this shape and the device's counters (programs out, out zeroed; each
-    launch leaves them at zero), built on first use, which must not be inside a graph capture."""
+    """The work table of this shape and the device's counters (programs out, out zeroed, programs
+    done; each launch leaves them at zero), built on first use, which must not be inside a graph capture."""
     key = (device, *shape)
     if key not in _TABLES:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_ring's work table must be built before graph capture: run it once eagerly")
-        sync = next((s for (d, *_), (_, s) in _TABLES.items() if d == device), None)
-        if sync is None:
-            sync = torch.zeros(2, dtype=torch.int32, device=device)
-        _TABLES[key] = (work_table(*shape).to(device), sync)
-    return _TABLES[key]
-
-
-def shape_fits(hidden: int, inter: int, nslots: int) -> bool:
-    """Whether the kernel tiles these widths: whole pieces and down boxes, and room for the ring."""
-    return (
-        hidden % (2 * NARROW_H) == 0 and inter % WIDE == 0 and inter < 65536 and nslots <= 255
-        and ring_slots(hidden) >= 3
-    )
+        if device not in _SYNC:
+            _SYNC[device] = torch.zeros(3, dtype=torch.int32, device=device)
+        _TABLES[key] = work_table(*shape).to(device)
+    return _TABLES[key], _SYNC[device]
 
 
 def ring_usable(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -366,29 +436,26 @@ def ring_usable(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor)
     )
 
 
-def _x_pad(hidden: int) -> int:
-    """Rows of 64 the staged token takes: a power of two, at least SLICES."""
-    return max(SLICES, triton.next_power_of_2(hidden // COLS))
+def tail_usable(hidden: torch.Tensor, w13: torch.Tensor, tail: Tail) -> bool:
+    """Whether the kernel can also run this next projection (given ring_usable): contiguous weights of
+    the experts' dtype, a residual row of it, rows it deals in whole units."""
+    rows, width = tail.weight.shape
+    return (
+        width == w13.shape[2] and tail.weight.dtype == w13.dtype and tail.weight.is_contiguous()
+        and tail.residual.shape == (1, width) and tail.residual.dtype == w13.dtype and tail.residual.is_contiguous()
+        and tail.norm_weight.shape == (width,) and (tail.bias is None or tail.bias.shape == (rows,))
+        and tail_fits(width, rows, sm_count(hidden.device))
+    )
 
 
-def _acc_rows(hidden: int) -> int:
-    """Rows of WIDE_H the program's float32 output row takes: a power of two."""
-    return triton.next_power_of_2(hidden // WIDE_H)
-
-
-def ring_slots(hidden: int, itemsize: int = 2) -> int:
-    """Items the ring holds for this width: as many as fit beside the staged token, the output row
-    and the activations, up to MAX_SLOTS."""
-    beside = _x_pad(hidden) * COLS * itemsize + 4 * (_acc_rows(hidden) * WIDE_H + WIDE)
-    return min(MAX_SLOTS, (SHARED_BYTES - beside) // (2 * GRAIN * SLICES * COLS * itemsize))
-
-
-def _descriptors(w13: torch.Tensor, w2: torch.Tensor) -> tuple[TensorDescriptor, ...]:
+def _descriptors(w13: torch.Tensor, w2: torch.Tensor, tail: torch.Tensor | None) -> tuple[TensorDescriptor, ...]:
     """w13 [E, 2I, H] as [E * 2I, H / 64, 64] in [GRAIN, SLICES, 64] boxes; w2 [E, H, I] as
-    [E * H, I] in [WIDE_H, WIDE] and [NARROW_H, NARROW] boxes."""
+    [E * H, I] in [WIDE_H, WIDE] and [NARROW_H, NARROW] boxes; the tail's weight [N, H] as w13
+    (w13 again without one)."""
     gl_dtype = gl.bfloat16 if w13.dtype == torch.bfloat16 else gl.float16
     descs = []
-    for w, box in ((w13, [GRAIN, SLICES, COLS]), (w2, [WIDE_H, WIDE]), (w2, [NARROW_H, NARROW])):
+    for w, box in ((w13, [GRAIN, SLICES, COLS]), (w2, [WIDE_H, WIDE]), (w2, [NARROW_H, NARROW]),
+                   (w13 if tail is None else tail[None], [GRAIN, SLICES, COLS])):
         rows, width = w.shape[0] * w.shape[1], w.shape[2]
         layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
         if len(box) == 3:
@@ -399,26 +466,39 @@ def _descriptors(w13: torch.Tensor, w2: torch.Tensor) -> tuple[TensorDescriptor,
 
 
 def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, fixed_tail: int = 0) -> torch.Tensor:
+             topk_ids: torch.Tensor, fixed_tail: int = 0, then: Tail | None = None):
     """[1, 1, H] float32: one token's weighted sum over its k experts of down(silu(gate) * up).
 
     `fixed_tail`: the last `fixed_tail` of the token's ids are known to be experts E - fixed_tail
     .. E - 1 in order (the shared experts), so their weights are fetched before the ids are read.
     The sum's order varies from launch to launch (float32 atomics), within float32 rounding.
+    With `then` (see tail_usable): (norm(sum + residual) @ weight^T (+ bias) [1, N], sum + residual
+    [1, H]), both in the weights' dtype, as `add_norm_linear` on the sum gives them.
     """
     experts, two_inter, width = w13.shape
     inter, nslots = two_inter // 2, topk_ids.shape[1]
     if not ring_usable(hidden, w13, topk_ids) or not w2.is_contiguous() or w2.dtype != w13.dtype:
         raise ValueError("moe_ring wants one token and contiguous 16-bit weights whose widths it tiles")
+    if then is not None and not tail_usable(hidden, w13, then):
+        raise ValueError("moe_ring's tail wants a [1, H] residual and an [N, H] weight of the experts' dtype")
     programs = sm_count(hidden.device)
-    table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail)
+    tail_rows = 0 if then is None else then.weight.shape[0]
+    table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail, tail_rows)
     out = torch.empty(1, 1, width, dtype=torch.float32, device=hidden.device)
     slots = ring_slots(width, hidden.element_size())
+    if then is None:
+        res = gain = bias = proj = summed = out
+        eps = 0.0
+    else:
+        res, gain, eps, bias = then.residual, then.norm_weight.contiguous(), float(then.eps), then.bias
+        proj = torch.empty(1, tail_rows, dtype=w13.dtype, device=hidden.device)
+        summed = torch.empty(1, width, dtype=w13.dtype, device=hidden.device)
     _moe_ring_kernel[(programs,)](
-        hidden, *_descriptors(w13, w2), topk_weights.reshape(-1).float(), topk_ids.reshape(-1), out, table, sync,
+        hidden, *_descriptors(w13, w2, None if then is None else then.weight), topk_weights.reshape(-1).float(),
+        topk_ids.reshape(-1), out, table, sync, res, gain, bias if bias is not None else out, proj, summed, eps,
         HIDDEN=width, INTER=inter, NSLOTS=nslots, EXPERTS=experts, WIDTH=table.shape[1], SLOTS=slots,
-        EARLY=min(EARLY_ITEMS, slots), H_PAD=_x_pad(width),
-        ACC_ROWS=_acc_rows(width), num_warps=WARPS,
+        EARLY=min(EARLY_ITEMS, slots), H_PAD=x_pad(width), ACC_ROWS=acc_rows(width), TAIL=then is not None,
+        TI=tail_items(width), HAS_BIAS=bias is not None, CHECK_EARLY=CHECK_EARLY and then is not None, num_warps=WARPS,
         launch_pdl=bool(pdl_launch(hidden).get("launch_pdl")),
     )
-    return out
+    return out if then is None else (proj, summed)
