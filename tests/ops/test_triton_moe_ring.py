@@ -101,6 +101,22 @@ def ring_set(fn, tokens: int):
     return call
 
 
+def replays(forward, x: torch.Tensor, residual: torch.Tensor):
+    """Capture forward(x, residual) in a CUDA graph (after one eager run, which compiles and builds
+    the work tables), then replay it on two fresh inputs, yielding its recorded outputs after each."""
+    forward(x, residual)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seen = forward(x, residual)
+    for seed in (1, 2):
+        fresh = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=fresh, device="cuda"))
+        residual.copy_(torch.randn(residual.shape, generator=fresh, device="cuda"))
+        graph.replay()
+        yield seen
+
+
 def ring_on(fn):
     return ring_set(fn, 1)
 
@@ -179,16 +195,7 @@ def test_gpu_moe_ring_in_a_graph_after_the_router(monkeypatch):
             seen.append((normed, weights, ids, h))
         return seen
 
-    forward(x, residual)  # compile and build the work table outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        seen = forward(x, residual)
-    for seed in (1, 2):
-        fresh = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(1, hidden, generator=fresh, device="cuda"))
-        residual.copy_(torch.randn(1, hidden, generator=fresh, device="cuda"))
-        graph.replay()
+    for seen in replays(forward, x, residual):
         for (_, w13, w2, _, _), (normed, weights, ids, h) in zip(layers, seen, strict=True):
             # Each layer's output is the MoE of exactly the token and routing the kernel before it
             # wrote in this replay (a read before that kernel finished would see the last replay's).
@@ -255,16 +262,7 @@ def test_gpu_moe_ring_tail_in_a_graph_between_routers(monkeypatch):
             h, res = out[:, :hidden], summed
         return seen
 
-    forward(x, residual)  # compile and build the work table outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        seen = forward(x, residual)
-    for seed in (1, 2):
-        fresh = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(1, hidden, generator=fresh, device="cuda"))
-        residual.copy_(torch.randn(1, hidden, generator=fresh, device="cuda"))
-        graph.replay()
+    for seen in replays(forward, x, residual):
         for (_, w13, w2, _, _), proj, (normed, weights, ids, res, out, summed) in zip(layers, projs, seen, strict=True):
             moe = ref.fused_moe(normed, w13, w2, weights, ids)  # the unfused ops on this replay's own inputs
             want_out, want_sum = ops.add_norm_linear(moe, res, norm, 1e-6, proj)
