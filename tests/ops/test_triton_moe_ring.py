@@ -101,6 +101,19 @@ def ring_set(fn, tokens: int):
     return call
 
 
+def v2_lite_layers(seed: int, count: int = 3) -> tuple[list[tuple], list[torch.Tensor], torch.Tensor, dict]:
+    """`count` V2-Lite MoE layers (case()'s tensors), a router each, one norm weight, and the routing rules."""
+    experts, hidden, inter, topk, shared = 66, 2048, 1408, 6, 2
+    layers = [case(experts, hidden, inter, topk, shared, s) for s in range(count)]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    routers = [torch.randn(experts - shared, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in layers]
+    norm = torch.rand(hidden, generator=gen, device="cuda", dtype=torch.bfloat16) + 0.5
+    rules = dict(top_k=topk, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1,
+                 norm_topk_prob=False, routed_scaling_factor=1.0, correction_bias=None, scale_after_norm=False,
+                 num_shared=shared)
+    return layers, routers, norm, rules
+
+
 def replays(forward, x: torch.Tensor, residual: torch.Tensor):
     """Capture forward(x, residual) in a CUDA graph (after one eager run, which compiles and builds
     the work tables), then replay it on two fresh inputs, yielding its recorded outputs after each."""
@@ -177,14 +190,8 @@ def test_gpu_moe_ring_in_a_graph_after_the_router(monkeypatch):
     """As the model would run it: the add + norm + route kernel (PDL) writes the token and its ids,
     the ring reads them; replayed with fresh inputs, many layers in one graph."""
     monkeypatch.setattr(fused_moe_module, "RING_MAX_TOKENS", 1)
-    experts, hidden, inter, topk, shared = 66, 2048, 1408, 6, 2
-    layers = [case(experts, hidden, inter, topk, shared, seed) for seed in range(3)]
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    routers = [torch.randn(experts - shared, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in layers]
-    norm = torch.rand(hidden, generator=gen, device="cuda", dtype=torch.bfloat16) + 0.5
-    rules = dict(top_k=topk, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1,
-                 norm_topk_prob=False, routed_scaling_factor=1.0, correction_bias=None, scale_after_norm=False,
-                 num_shared=shared)
+    experts, hidden, shared = 66, 2048, 2
+    layers, routers, norm, rules = v2_lite_layers(seed=7)
     x, residual = torch.zeros(1, hidden, device="cuda", dtype=torch.bfloat16), torch.zeros_like(layers[0][0])
 
     def forward(h, res):
@@ -241,15 +248,10 @@ def test_gpu_moe_ring_tail_in_a_graph_between_routers(monkeypatch):
     the ring whose tail writes the next layer's projection and residual, which the next entry reads
     (its first H columns standing in for the attention's output); replayed on fresh inputs."""
     monkeypatch.setattr(fused_moe_module, "RING_MAX_TOKENS", 1)
-    experts, hidden, inter, topk, shared, rows = 66, 2048, 1408, 6, 2, 3648
-    layers = [case(experts, hidden, inter, topk, shared, seed) for seed in range(3)]
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    routers = [torch.randn(experts - shared, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in layers]
+    hidden, shared, rows = 2048, 2, 3648
+    layers, routers, norm, rules = v2_lite_layers(seed=8)
+    gen = torch.Generator(device="cuda").manual_seed(9)
     projs = [torch.randn(rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in layers]
-    norm = torch.rand(hidden, generator=gen, device="cuda", dtype=torch.bfloat16) + 0.5
-    rules = dict(top_k=topk, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1,
-                 norm_topk_prob=False, routed_scaling_factor=1.0, correction_bias=None, scale_after_norm=False,
-                 num_shared=shared)
     x, residual = torch.zeros(1, hidden, device="cuda", dtype=torch.bfloat16), torch.zeros_like(layers[0][0])
 
     def forward(h, res):
