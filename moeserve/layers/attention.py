@@ -118,18 +118,19 @@ class MLAAttention(nn.Module):
         # Every path writes its rows of `out` in place: no concatenation or copy before o_proj.
         tokens = q.shape[0]
         out = q.new_empty(tokens, self.num_heads, self.v_dim)
-        if d:
-            b = batch.num_decodes
-            # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at batch 1-2.
-            ops.mla_decode(
-                q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
-                kv_scale, w_uv=w_uv, out=out[:d],
-            )
         if tokens > d:
             if batch.extend_use_mha:
                 self._extend_mha(q[d:], latent[d:], k_rope[d:], cache, batch, out[d:])
             else:
                 self._extend_absorbed(q[d:], cache, batch, w_uk, w_uv, out[d:])
+        if d:
+            b = batch.num_decodes
+            # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at
+            # batch 1-2. Decode rows go last: that merge may let o_proj launch before its own wait.
+            ops.mla_decode(
+                q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
+                kv_scale, w_uv=w_uv, out=out[:d],
+            )
         return _linear(self.o_proj, out.flatten(1))
 
     def _extend_absorbed(

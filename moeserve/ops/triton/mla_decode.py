@@ -472,7 +472,12 @@ def mla_decode(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Absorbed-form decode over the paged latent cache -> [B, H, rank]; with w_uv [H, v, rank] the
-    per-head value projection too -> [B, H, v] (into `out` if given). Other keywords: tuning overrides."""
+    per-head value projection too -> [B, H, v] (into `out` if given). Other keywords: tuning overrides.
+
+    With w_uv at batch 1-2 the kernel launched next may start before this op's last kernel has
+    waited on the one before (mla_reduce.PROJECT_EARLY_LAUNCH): it must read only weights before
+    its own PDL wait, as o_proj's GEMV does.
+    """
     batch, heads = q_latent.shape[0], q_latent.shape[1]
     if seq_lens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
+from moeserve.ops.triton.pdl import launch_next_early, pdl_launch, wait_for_prior_grid
 
 REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
 REDUCE_BLOCK_C = 64  # latent columns per reduce program when rows are few
@@ -25,6 +25,10 @@ REDUCE_MIN_PROGRAMS = 256  # rows x heads from which a reduce program takes a wh
 # up to b8 made b8 4.5% slower.
 PROJECT_MAX_ROWS = 2
 PROJECT_BLOCK_V = 32  # value columns (W_UV rows) per fused program
+# The fused merge lets the next kernel (o_proj's GEMV, which loads its weights before its wait)
+# launch before its own wait, so o_proj's weights stream during the split kernel's math instead
+# of beside the merge's reads. H200 decode-graph replay: b1 1.853 -> 1.820 ms (-1.8%), b2 even.
+PROJECT_EARLY_LAUNCH = True
 
 
 @triton.jit
@@ -102,9 +106,12 @@ def _mla_reduce_kernel(
 def _reduce_project_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, w_ptr, out_ptr, stride_wh, stride_wv, stride_ot, stride_oh,
     num_heads, num_splits, V_DIM: tl.constexpr, LATENT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence x head, value block): out[b, h, v] = merged latent [b, h] . W_UV[h, v]."""
+    if EARLY_LAUNCH:
+        launch_next_early(PDL)
     b = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -113,7 +120,7 @@ def _reduce_project_kernel(
                 mask=(offs_v[:, None] < V_DIM) & (offs_c[None, :] < LATENT), other=0.0)
     # Written by the step's input unpacking, many kernels back: readable before the wait (pdl.py).
     seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")
-    wait_for_prior_grid(PDL)
+    wait_for_prior_grid(PDL, EARLY_LAUNCH)
     n_valid = tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
     row = b.to(tl.int64)
     o = _merge(part_o_ptr, part_lse_ptr, (row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
@@ -147,7 +154,11 @@ def reduce_and_project(
     part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor,
     num_splits: int, block_n: int,
 ) -> torch.Tensor:
-    """Decode: merge the splits and apply W_UV [H, v, rank] per head in one launch -> out [B, H, v]."""
+    """Decode: merge the splits and apply W_UV [H, v, rank] per head in one launch -> out [B, H, v].
+
+    The kernel after this one may launch before the merge has waited on the split kernel
+    (PROJECT_EARLY_LAUNCH): it must read nothing but weights before its own wait (o_proj's GEMV).
+    """
     batch, heads, v_dim = out.shape
     rank = part_o.shape[-1]
     if w_uv.stride(-1) != 1:
@@ -155,6 +166,7 @@ def reduce_and_project(
     _reduce_project_kernel[(batch * heads, triton.cdiv(v_dim, PROJECT_BLOCK_V))](
         part_o, part_lse, seq_lens, w_uv, out, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
         heads, num_splits, V_DIM=v_dim, LATENT=rank, BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S,
-        BLOCK_C=triton.next_power_of_2(rank), BLOCK_V=PROJECT_BLOCK_V, num_warps=8, **pdl_launch(out),
+        BLOCK_C=triton.next_power_of_2(rank), BLOCK_V=PROJECT_BLOCK_V, EARLY_LAUNCH=PROJECT_EARLY_LAUNCH,
+        num_warps=8, **pdl_launch(out),
     )
     return out

@@ -15,6 +15,11 @@ What a kernel may read before its wait: weights (no kernel writes them), and any
 two or more kernels back: when kernel N + 1 starts, kernel N has passed its wait, so kernel
 N - 1 has completed and flushed. Such reads bypass L1 (`.cg`), which is not coherent with the
 writer's SM.
+
+The one exception, `launch_next_early`: a kernel may let the next one launch before its own wait
+when that next kernel reads only weights and the step's inputs (written before the layers) ahead
+of its wait, and itself keeps the rule. Its weights then stream while this kernel still waits and
+computes; the chain's guarantee holds again from the next kernel's wait on.
 """
 
 from __future__ import annotations
@@ -28,10 +33,20 @@ import triton.language as tl
 
 
 @triton.jit
-def wait_for_prior_grid(PDL: tl.constexpr):
-    """Block until the previous kernel in the stream is done, then let the next one launch."""
+def wait_for_prior_grid(PDL: tl.constexpr, LAUNCHED: tl.constexpr = False):
+    """Block until the previous kernel in the stream is done, then let the next one launch
+    (LAUNCHED: `launch_next_early` already did)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if not LAUNCHED:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next_early(PDL: tl.constexpr):
+    """Let the next kernel launch before this one's wait; only for a next kernel that reads nothing
+    but weights and the step's inputs before its own wait (see the module docstring)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
