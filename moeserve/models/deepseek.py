@@ -37,9 +37,10 @@ class DecoderLayer(nn.Module):
         """-> (this layer's MLP output, the residual stream before it); the caller adds them.
 
         Deferring each residual add into the next norm lets one fused op do add + norm. A MoE's
-        output may be its per-expert parts [T, slots, H]: that op sums them too. A MoE layer given
-        `next_layer` returns that layer's input already through its add, norm and first projection
-        (a NextProjection, with the summed residual), which the next layer then starts from.
+        output may be its per-expert parts [T, slots, H]: that op sums them too. Given `next_layer`, the
+        MLP (MoE or, at one token, dense) may return that layer's input already through its add,
+        norm and first projection (a NextProjection, with the summed residual), which the next layer
+        then starts from.
         """
         if isinstance(hidden, NextProjection):
             assert residual is not None
@@ -49,11 +50,8 @@ class DecoderLayer(nn.Module):
             hidden = self.self_attn(positions, self.input_layernorm(hidden), batch)
         else:
             hidden, residual = self.self_attn.add_norm_forward(positions, hidden, residual, self.input_layernorm, batch)
-        if isinstance(self.mlp, MoE):
-            then = None if next_layer is None else (next_layer.input_layernorm, next_layer.self_attn.fused_qkv_a_proj)
-            return self.mlp.add_norm_forward(hidden, residual, self.post_attention_layernorm, then)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        then = None if next_layer is None else (next_layer.input_layernorm, next_layer.self_attn.fused_qkv_a_proj)
+        return self.mlp.add_norm_forward(hidden, residual, self.post_attention_layernorm, then)
 
 
 class DeepseekModel(nn.Module):

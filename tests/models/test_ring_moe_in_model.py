@@ -1,8 +1,9 @@
 """A V2-Lite-shaped model (three layers, dummy weights) decodes one token with the one-token ring
-MoE as it does with the two fused-MoE launches: each MoE layer's ring output, on the inputs and
-routing the engine really hands it, matches the two launches (the first MoE layer's with the next
-layer's add + norm + first projection in the ring's tail, against the GEMV kernel on the two
-launches' parts), and the float32 sum reaches the final norm (GPU)."""
+MoE as it does with the two fused-MoE launches: each ring output (the dense layer's MLP as one fixed
+expert, then each MoE layer's), on the inputs and routing the engine really hands it, matches the
+two launches (with the next layer's add + norm + first projection in the ring's tail where there
+is a next layer, against the GEMV kernel on the two launches' parts), and the float32 sum reaches
+the final norm (GPU)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,12 @@ def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, m
             calls.clear()
             batch = runner.prepare([item])
             logits[ring] = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, batch)).float()
-    assert len(calls) == 2 and len(routes) == 4  # both MoE layers took the ring when it was on, not when off
-    assert [tail for *_, tail in calls] == [True, False]  # the last layer has no next projection
+    # The dense layer (as one fixed expert) and both MoE layers took the ring when it was on, not when off.
+    assert len(calls) == 3 and len(routes) == 4
+    assert [tail for *_, tail in calls] == [True, True, False]  # the last layer has no next projection
     assert all(error < 2e-2 for _, error, _ in calls), calls
-    assert calls[0][0][0, -2:].tolist() == [64, 65]  # the shared experts come last
+    assert calls[0][0].tolist() == [[0]]  # the dense MLP: expert 0, its only one
+    assert calls[1][0][0, -2:].tolist() == [64, 65]  # the shared experts come last
     # The second layer's routing may flip between near-tied experts on a last-bit difference in
     # its input; where it does not, the logits agree closely, and they stay near either way.
     error = rel_error(logits[1], logits[0])

@@ -33,7 +33,8 @@ def piece_bytes(rows: int, hidden: int) -> int:
 def deal_pieces(programs: int, hidden: int, inter: int, nslots: int, fixed_tail: int) -> list[list[tuple[int, int, int]]]:
     """Per program, its pieces (slot, first intermediate row, rows), shared ones first: the routed
     slots' WIDE-row runs to whichever program has the fewest bytes, then the shared slots' rows in
-    runs of at most NARROW, one run per program while any program has none, sized to even out the bytes."""
+    runs of at most NARROW, one run per program while any program has none, sized to even out the
+    bytes (of NARROW rows where no slot is routed)."""
     routed = nslots - fixed_tail
     lists: list[list[tuple[int, int, int]]] = [[] for _ in range(programs)]
     load = [(0, p) for p in range(programs)]
@@ -55,7 +56,11 @@ def deal_pieces(programs: int, hidden: int, inter: int, nslots: int, fixed_tail:
                 load.remove((total, p))
                 heapq.heapify(load)
             want = round((target - total) / row_bytes / GRAIN) * GRAIN
-            rows = min(inter - k0, NARROW, max(GRAIN, want))
+            # With no routed slot (a dense MLP as one fixed expert) every run is a whole narrow box:
+            # H200 b1 decode replay 1.825 -> 1.820 ms against runs sized to even out the bytes,
+            # whose narrower runs carry unused box columns. With routed slots (V2-Lite's MoE) that
+            # sizing is the faster by 1.2%.
+            rows = min(inter - k0, NARROW) if not routed else min(inter - k0, NARROW, max(GRAIN, want))
             lists[p].insert(0, (slot, k0, rows))
             heapq.heappush(load, (total + piece_bytes(rows, hidden), p))
             k0 += rows
