@@ -382,6 +382,27 @@ def test_gpu_mla_rope_norm_store_absorbs_w_uk_at_model_shapes(rows, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype,kv_scale", [(torch.bfloat16, 1.0), (FP8, 0.05)])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_mla_rope_norm_store_one_token(cache_dtype, kv_scale, heads):
+    """Batch-1 decode: the kernel runs on one warp (ONE_WARP_MAX_TOKENS), with and without W_UK."""
+    assert tri_rope.ONE_WARP_MAX_TOKENS >= 1
+    gen = torch.Generator().manual_seed(heads + int(kv_scale * 100))
+    for interleaved in (True, False):
+        args = rope_inputs(gen, 1, heads, 128, 512, 64, torch.bfloat16, 64, cache_dtype, device="cuda")
+        (got, got_q, got_cache), (want, want_q, want_cache) = run_both(args, 128, interleaved, kv_scale=kv_scale)
+        for g, w in zip((*got, got_q), (*want, want_q), strict=True):
+            torch.testing.assert_close(g, w, **tol(torch.bfloat16))
+        assert_cache_close(got_cache, want_cache, torch.bfloat16)
+    args = rope_inputs(gen, 1, heads, 128, 512, 64, torch.bfloat16, 16, torch.bfloat16, device="cuda")
+    (got, got_q, got_cache, got_lat), (want, want_q, want_cache, want_lat) = run_absorbing(args, 128, 1, 128, gen)
+    torch.testing.assert_close(got_lat, want_lat, **tol(torch.bfloat16))
+    assert (got_lat - want_lat).norm() / want_lat.norm() < 4e-3
+    for g, w in zip((*got, got_q, got_cache), (*want, want_q, want_cache), strict=True):
+        torch.testing.assert_close(g, w, **tol(torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_gpu_small_ops_replay_in_cuda_graphs():
     gen = torch.Generator().manual_seed(13)
     x, residual, w = norm_inputs(gen, 8, 2048, torch.bfloat16, strided=False, device="cuda")
