@@ -23,9 +23,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from moeserve.ops.triton.fused_moe import RoutePlan, _tile_ids, moe_down, moe_up, plan_route  # noqa: E402
+from moeserve.ops.triton.fused_moe import RoutePlan, moe_down, moe_up, plan_route  # noqa: E402
 from moeserve.ops.triton.moe_align import moe_align  # noqa: E402
 from moeserve.ops.triton.moe_config import get_config  # noqa: E402
+from moeserve.ops.triton.moe_tiles import tile_ids  # noqa: E402
 from moeserve.ops.triton.tune_moe import make_inputs, make_weights, time_us  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def _up_persistent(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, num_pad
     num_n = tl.cdiv(INTER, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = flat < num_tokens * TOPK
@@ -70,7 +71,7 @@ def _down_persistent(act_desc, w_desc, out_ptr, weights_ptr, sorted_ptr, block_e
     num_m = tl.load(num_padded_ptr) // BLOCK_M
     num_n = tl.cdiv(HIDDEN, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = flat < num_tokens * TOPK

@@ -21,8 +21,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from moeserve.ops.triton.fused_moe import _block_rows, _tile_ids, moe_down, moe_up, plan_route  # noqa: E402
+from moeserve.ops.triton.fused_moe import moe_down, moe_up, plan_route  # noqa: E402
 from moeserve.ops.triton.moe_config import get_config  # noqa: E402
+from moeserve.ops.triton.moe_tiles import block_rows, tile_ids  # noqa: E402
 from moeserve.ops.triton.tune_moe import make_inputs, make_weights, time_us  # noqa: E402
 
 
@@ -31,8 +32,8 @@ def _down_tiled(act_ptr, w_desc, out_ptr, weights_ptr, ids_ptr, sorted_ptr, bloc
                 num_m, stride_at, stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 TILED: tl.constexpr):
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, TOPK, 1,
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
+    expert, flat, row_ok = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, TOPK, 1,
                                        False, BLOCK_M)
     if expert < 0:
         return
@@ -58,8 +59,8 @@ def _down_tiled(act_ptr, w_desc, out_ptr, weights_ptr, ids_ptr, sorted_ptr, bloc
 def _up_tiled(x_ptr, w_desc, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_m, stride_xt,
               stride_at, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TILED: tl.constexpr):
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
-    expert, flat, row_ok = _block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, TOPK, 1,
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+    expert, flat, row_ok = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, TOPK, 1,
                                        False, BLOCK_M)
     if expert < 0:
         return

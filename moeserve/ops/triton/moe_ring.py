@@ -29,8 +29,6 @@ replaces the kernel boundary, and every program normalises the summed row itself
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,11 +46,12 @@ from moeserve.ops.triton.moe_ring_plan import (
     TAIL_SLOT,
     WIDE,
     WIDE_H,
+    Tail,
     acc_rows,
     ring_slots,
-    shape_fits,
-    tail_fits,
+    ring_usable,
     tail_items,
+    tail_usable,
     work_table,
     x_pad,
 )
@@ -396,16 +395,6 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
         gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
 
 
-class Tail(NamedTuple):
-    """The next layer's input after the MoE, for the kernel to finish: norm(out + residual) @ weight^T (+ bias)."""
-
-    residual: torch.Tensor  # [1, H], the residual stream before the MoE's output is added
-    norm_weight: torch.Tensor  # [H]
-    eps: float
-    weight: torch.Tensor  # [N, H]
-    bias: torch.Tensor | None = None
-
-
 _TABLES: dict[tuple, torch.Tensor] = {}
 _SYNC: dict[torch.device, torch.Tensor] = {}
 
@@ -421,31 +410,6 @@ def _table_and_sync(device: torch.device, *shape: int) -> tuple[torch.Tensor, to
             _SYNC[device] = torch.zeros(3, dtype=torch.int32, device=device)
         _TABLES[key] = work_table(*shape).to(device)
     return _TABLES[key], _SYNC[device]
-
-
-def ring_usable(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether this kernel can run the call: one token, Hopper or newer, 16-bit weights TMA can read."""
-    if not hidden.is_cuda or hidden.shape[0] != 1 or torch.cuda.get_device_capability(hidden.device)[0] < 9:
-        return False
-    experts, two_inter, width = w13.shape
-    return (
-        hidden.dtype in (torch.bfloat16, torch.float16)
-        and w13.is_contiguous()
-        and shape_fits(width, two_inter // 2, topk_ids.shape[1])
-        and experts * max(two_inter, width) < 2**31
-    )
-
-
-def tail_usable(hidden: torch.Tensor, w13: torch.Tensor, tail: Tail) -> bool:
-    """Whether the kernel can also run this next projection (given ring_usable): contiguous weights of
-    the experts' dtype, a residual row of it, rows it deals in whole units."""
-    rows, width = tail.weight.shape
-    return (
-        width == w13.shape[2] and tail.weight.dtype == w13.dtype and tail.weight.is_contiguous()
-        and tail.residual.shape == (1, width) and tail.residual.dtype == w13.dtype and tail.residual.is_contiguous()
-        and tail.norm_weight.shape == (width,) and (tail.bias is None or tail.bias.shape == (rows,))
-        and tail_fits(width, rows, sm_count(hidden.device))
-    )
 
 
 def _descriptors(w13: torch.Tensor, w2: torch.Tensor, tail: torch.Tensor | None) -> tuple[TensorDescriptor, ...]:

@@ -9,9 +9,12 @@ the same bytes, since the slowest program sets the kernel's time.
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import torch
 import triton
+
+from moeserve.ops.triton.device import sm_count
 
 COLS = 64  # a gate/up box's columns: 128 bytes of bf16, the TMA swizzle's width
 SLICES = 16  # runs of 64 hidden columns a gate/up box holds: a box is [GRAIN, SLICES, 64], 16 KB
@@ -137,4 +140,39 @@ def tail_fits(hidden: int, rows: int, programs: int) -> bool:
     """Whether the tail takes a projection of `rows` outputs: whole units, and at most 255 a program."""
     return (
         rows % GRAIN == 0 and 0 < rows < 65536 and rows // GRAIN // programs < 255 and hidden % (COLS * SLICES) == 0
+    )
+
+
+class Tail(NamedTuple):
+    """The next layer's input after the MoE, for the kernel to finish: norm(out + residual) @ weight^T (+ bias)."""
+
+    residual: torch.Tensor  # [1, H], the residual stream before the MoE's output is added
+    norm_weight: torch.Tensor  # [H]
+    eps: float
+    weight: torch.Tensor  # [N, H]
+    bias: torch.Tensor | None = None
+
+
+def ring_usable(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether the ring kernel can run the call: one token, Hopper or newer, 16-bit weights TMA can read."""
+    if not hidden.is_cuda or hidden.shape[0] != 1 or torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        return False
+    experts, two_inter, width = w13.shape
+    return (
+        hidden.dtype in (torch.bfloat16, torch.float16)
+        and w13.is_contiguous()
+        and shape_fits(width, two_inter // 2, topk_ids.shape[1])
+        and experts * max(two_inter, width) < 2**31
+    )
+
+
+def tail_usable(hidden: torch.Tensor, w13: torch.Tensor, tail: Tail) -> bool:
+    """Whether the ring kernel can also run this next projection (given ring_usable): contiguous weights of
+    the experts' dtype, a residual row of it, rows it deals in whole units."""
+    rows, width = tail.weight.shape
+    return (
+        width == w13.shape[2] and tail.weight.dtype == w13.dtype and tail.weight.is_contiguous()
+        and tail.residual.shape == (1, width) and tail.residual.dtype == w13.dtype and tail.residual.is_contiguous()
+        and tail.norm_weight.shape == (width,) and (tail.bias is None or tail.bias.shape == (rows,))
+        and tail_fits(width, rows, sm_count(hidden.device))
     )
