@@ -281,6 +281,40 @@ def _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe
 
 
 @gluon.jit
+def _moe_pieces(stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_count, issued, consumed, piece, item,
+                HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
+                SLOTS: gl.constexpr, UPH: gl.constexpr, TI: gl.constexpr, CHECK_EARLY: gl.constexpr,
+                up_l: gl.constexpr, narrow_l: gl.constexpr, wide_l: gl.constexpr):
+    """The program's MoE pieces, each its gate/up units then its down columns into the output row
+    (acts, accs: the activations and output row viewed as narrow and wide boxes).
+    -> (issued, consumed, piece, item) of the ring, and whether out was seen zeroed (CHECK_EARLY)."""
+    act_n, act_w = acts
+    acc_n, acc = accs
+    rings = stream[1]
+    zeroed = issued * 0  # checked after the first piece, off the end's path
+    for p in range(moe_count):
+        slot, units, _ = _piece(gl.load(stream[3] + p))
+        issued, consumed, piece, item = _gate_up(stream, x_smem, act, gl.load(weights_ptr + slot), units, issued,
+                                                 consumed, piece, item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH,
+                                                 TI, up_l)
+        gl.thread_barrier()  # the piece's activations are in
+        if units * _GRAIN <= _NARROW:
+            issued, consumed, piece, item = _down(stream, rings[2], act_n, acc_n, issued, consumed, piece, item,
+                                                  HIDDEN // (2 * _NARROW_H), HIDDEN, INTER, NSLOTS, EXPERTS,
+                                                  SLOTS, UPH, TI, narrow_l)
+        else:
+            issued, consumed, piece, item = _down(stream, rings[1], act_w, acc, issued, consumed, piece, item,
+                                                  HIDDEN // (2 * _WIDE_H), HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS,
+                                                  UPH, TI, wide_l)
+        # The next piece's activations and output rows belong to other threads.
+        gl.thread_barrier()
+        if CHECK_EARLY:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
+            if p == 0:
+                zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    return issued, consumed, piece, item, zeroed
+
+
+@gluon.jit
 def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr, ids_ptr, out_ptr, table_ptr,
                      sync_ptr, res_ptr, gain_ptr, bias_ptr, proj_ptr, sum_ptr, eps,
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
@@ -352,26 +386,10 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
     stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
-    zeroed = zero  # whether out is seen zeroed: checked after the first piece, off the end's path
-    for p in range(moe_count):
-        slot, units, _ = _piece(gl.load(pieces_ptr + p))
-        issued, consumed, piece, item = _gate_up(stream, x_smem, act, gl.load(weights_ptr + slot), units, issued,
-                                                 consumed, piece, item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH,
-                                                 TI, up_l)
-        gl.thread_barrier()  # the piece's activations are in
-        if units * _GRAIN <= _NARROW:
-            issued, consumed, piece, item = _down(stream, ring_n, act_n, acc_n, issued, consumed, piece, item,
-                                                  HIDDEN // (2 * _NARROW_H), HIDDEN, INTER, NSLOTS, EXPERTS,
-                                                  SLOTS, UPH, TI, narrow_l)
-        else:
-            issued, consumed, piece, item = _down(stream, ring_w, act_w, acc, issued, consumed, piece, item,
-                                                  HIDDEN // (2 * _WIDE_H), HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS,
-                                                  UPH, TI, wide_l)
-        # The next piece's activations and output rows belong to other threads.
-        gl.thread_barrier()
-        if CHECK_EARLY:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
-            if p == 0:
-                zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    issued, consumed, piece, item, zeroed = _moe_pieces(
+        stream, x_smem, act, (act_n, act_w), (acc_n, acc), weights_ptr, sync_ptr, moe_count, issued, consumed, piece,
+        item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI, CHECK_EARLY, up_l, narrow_l, wide_l,
+    )
     while zeroed < 1:  # out is zeroed
         zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
     gl.atomic_add(out_ptr + o_rows * _WIDE_H + o_cols, acc_all.load(out_l), mask=o_rows < HIDDEN // _WIDE_H,
