@@ -64,7 +64,7 @@ def measure(name: str, n: int, k: int, rows_list: list[int], sweep: bool, skinny
             )
         else:
             cublas = chain_us(lambda i, x=x: F.linear(rms_norm(x, norm_w, 1e-6), ws[i]), copies)
-        configs = [pick_config(n, k)]
+        configs = [pick_config(n, k, rows)]
         if sweep:
             configs += [GemvConfig(b, w) for b in (2, 4, 8, 16) for w in (4, 8) if GemvConfig(b, w) != configs[0]]
         row = [] if fits(x, ws[0]) else ["(past the GEMV's rows x N limit)"]

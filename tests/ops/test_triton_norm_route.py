@@ -91,7 +91,7 @@ def test_gpu_real_shapes(model, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [8, 16])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_gpu_replays_in_a_cuda_graph(tokens):
     experts, rules = REAL["v2-lite"]
     rules = dict(rules, correction_bias=None, num_shared=2)

@@ -33,6 +33,9 @@ from moeserve.ops.triton.routing import select_experts, select_rows, selection_c
 
 MAX_TOKENS = 8
 BLOCK_E = 2  # experts a program scores: many small programs keep the most weight loads in flight
+# At one token, one expert a program (64 programs for V2-Lite): b1 decode-graph replay -0.3 / -0.5%
+# on two H200s; four +0.4%. At 8 tokens one was +0.6%, within that size's spread, so two stay.
+ONE_TOKEN_BLOCK_E = 1
 MAX_HIDDEN = 8192  # a program holds BLOCK_E router rows and a token's row in registers
 # Past MAX_TOKENS, a counter per token and more experts a program (decode-graph replay on H200
 # against the three kernels: b12 -1.7%, b16 -1.8%, b24 +1.1%, b32 even).
@@ -132,7 +135,7 @@ def add_norm_route(
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
     # Up to MAX_TOKENS one group (one program selects all); past it a group per token.
     few = tokens <= MAX_TOKENS
-    block_e = BLOCK_E if few else PER_TOKEN_BLOCK_E
+    block_e = (ONE_TOKEN_BLOCK_E if tokens == 1 else BLOCK_E) if few else PER_TOKEN_BLOCK_E
     _norm_route_kernel[(triton.cdiv(experts, block_e), tokens)](
         x, residual, norm_weight.contiguous(), router_weight, bias, normed, summed, logits, weights, ids,
         _counters(x.device), tokens, x.stride(0), residual.stride(0), float(eps),
