@@ -151,7 +151,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_gpu_moe_ring_matches_reference(experts, hidden, inter, topk, shared, dtype):
     for seed, id_dtype in ((0, torch.int32), (1, torch.int64)):
         x, w13, w2, weights, ids = case(experts, hidden, inter, topk, shared, seed, dtype)
-        assert ring.ring_usable(x, w13, ids)
+        assert ring.ring_usable(x, w13, w2, ids)
         got = ring.moe_ring(x, w13, w2, weights, ids.to(id_dtype), fixed_tail=shared)
         assert got.shape == (1, 1, hidden) and got.dtype == torch.float32
         # The reference in float32 throughout (the kernel rounds its activations to the weights' dtype).

@@ -377,7 +377,7 @@ def fused_moe(
     if config is None and hidden.shape[0] <= RING_MAX_TOKENS:
         from moeserve.ops.triton import moe_ring  # Gluon: imported only where it may run
 
-        if moe_ring.ring_usable(hidden, w13, topk_ids) and w2.is_contiguous():
+        if moe_ring.ring_usable(hidden, w13, w2, topk_ids):
             out = moe_ring.moe_ring(hidden, w13, w2, topk_weights, topk_ids, fixed_tail)
             return out.view(hidden.shape).to(hidden.dtype) if sum_slots else out
     config = config or get_config(hidden, w13, topk_ids.shape[1])
@@ -406,8 +406,7 @@ def fused_moe_add_norm_linear(
 
         then = moe_ring.Tail(residual, norm_weight, eps, weight, bias)
         _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
-        usable = moe_ring.ring_usable(hidden, w13, topk_ids) and w2.is_contiguous() and w2.dtype == w13.dtype
-        if usable and moe_ring.tail_usable(hidden, w13, then):
+        if moe_ring.ring_usable(hidden, w13, w2, topk_ids) and moe_ring.tail_usable(hidden, w13, then):
             return moe_ring.moe_ring(hidden.contiguous(), w13, w2, topk_weights, topk_ids, fixed_tail, then)
     from moeserve.ops.triton.gemv import add_norm_linear
 

@@ -137,7 +137,7 @@ class GemvConfig:
 ONE_ROW_BLOCK_N = 4
 
 
-def pick_config(n: int, k: int, rows: int = 2) -> GemvConfig:
+def pick_config(n: int, k: int, rows: int) -> GemvConfig:
     """Two weight rows a program (many small programs keep the most loads in flight; a 2 x 8192
     slice is 64 registers a thread), ONE_ROW_BLOCK_N for a single row."""
     return GemvConfig(block_n=ONE_ROW_BLOCK_N if rows == 1 else 2)

@@ -459,7 +459,7 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """
     experts, two_inter, width = w13.shape
     inter, nslots = two_inter // 2, topk_ids.shape[1]
-    if not ring_usable(hidden, w13, topk_ids) or not w2.is_contiguous() or w2.dtype != w13.dtype:
+    if not ring_usable(hidden, w13, w2, topk_ids):
         raise ValueError("moe_ring wants one token and contiguous 16-bit weights whose widths it tiles")
     if then is not None and not tail_usable(hidden, w13, then):
         raise ValueError("moe_ring's tail wants a [1, H] residual and an [N, H] weight of the experts' dtype")

@@ -153,14 +153,15 @@ class Tail(NamedTuple):
     bias: torch.Tensor | None = None
 
 
-def ring_usable(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether the ring kernel can run the call: one token, Hopper or newer, 16-bit weights TMA can read."""
+def ring_usable(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether the ring kernel can run the call: one token, Hopper or newer, contiguous 16-bit
+    weights (w13 and w2 of one dtype) that TMA can read."""
     if not hidden.is_cuda or hidden.shape[0] != 1 or torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return False
     experts, two_inter, width = w13.shape
     return (
         hidden.dtype in (torch.bfloat16, torch.float16)
-        and w13.is_contiguous()
+        and w13.is_contiguous() and w2.is_contiguous() and w2.dtype == w13.dtype
         and shape_fits(width, two_inter // 2, topk_ids.shape[1])
         and experts * max(two_inter, width) < 2**31
     )
