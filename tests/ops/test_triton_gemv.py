@@ -45,6 +45,7 @@ def test_linear_falls_back_past_the_gemv_and_rejects_what_it_cannot_take():
     many = rand(gen, MAX_ROWS + 1, 32)
     assert not fits(many, w)
     assert fits(rand(gen, 2, 32), rand(gen, 4096, 32)) and not fits(rand(gen, 3, 32), rand(gen, 4096, 32))
+    assert fits(rand(gen, 1, 32), rand(gen, 65536, 32))  # one row streams its weights at any N
     torch.testing.assert_close(linear(many, w), F.linear(many, w))
     with pytest.raises(ValueError, match="not a supported GEMV"):
         gemv(many, w)
@@ -68,6 +69,25 @@ def test_linear_takes_the_skinny_gemm_between_the_gemv_and_cublas(block_k, monke
     assert not gemv_module._skinny_fits(rand(gen, 17, 40, dtype=torch.bfloat16), w, None, None)
 
 
+def test_linear_writes_into_out_on_every_path(monkeypatch):
+    """`out=` (the decode graph's logits buffer): the GEMV, the skinny GEMM and cuBLAS each write the
+    rows in place, and a buffer of the wrong shape or dtype is refused."""
+    monkeypatch.setattr(gemv_module, "SKINNY_MAX_ROWS", 16)
+    gen = torch.Generator().manual_seed(10)
+    w = rand(gen, 9000, 40, dtype=torch.bfloat16)
+    buffer = torch.full((20, 9000), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    for rows in (1, 5, 17):  # GEMV (N past MAX_ROWS_X_N: one row), skinny GEMM, cuBLAS
+        x = rand(gen, rows, 40, dtype=torch.bfloat16)
+        got = linear(x, w, out=buffer[:rows])
+        assert got.data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(buffer[:rows].float(), x.float() @ w.float().t(), rtol=1e-2, atol=2e-2)
+        assert (buffer[rows:] == 7.0).all()
+    with pytest.raises(ValueError, match="cannot take"):
+        linear(rand(gen, 1, 40, dtype=torch.bfloat16), w, out=buffer[:2])
+    with pytest.raises(ValueError, match="cannot take"):
+        gemv(rand(gen, 1, 40, dtype=torch.bfloat16), w, out=buffer[:1].float())
+
+
 # --- GPU: DeepSeek-V2-Lite decode shapes in bfloat16 --------------------------------------------
 
 SHAPES = {"fused_qkv_a": (3648, 2048), "o_proj": (2048, 2048), "router": (64, 2048), "odd": (1000, 1500)}
@@ -88,6 +108,21 @@ def test_gpu_projections_match_cublas(name, rows):
     got32 = linear(x, w, out_dtype=torch.float32)  # the router's exact-product float32 logits
     assert got32.dtype == torch.float32
     torch.testing.assert_close(got32, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 32])
+def test_gpu_lm_head_into_the_logits_buffer(rows):
+    """V2-Lite's LM head (102,400 x 2,048) as the decode graph runs it, into a wider logits buffer:
+    a GEMV at one row, the skinny GEMM to 16, cuBLAS past them."""
+    gen = torch.Generator().manual_seed(rows)
+    w = (rand(gen, 102400, 2048) * 0.02).bfloat16()
+    x = rand(gen, rows, 2048, dtype=torch.bfloat16)
+    logits = torch.full((64, 102400), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    linear(x, w, out=logits[:rows])
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(logits[:rows].float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    assert (logits[rows:] == 3.0).all()
 
 
 @pytest.mark.gpu

@@ -25,12 +25,16 @@ def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torc
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias) as nn.Linear computes it, or in out_dtype (operands widened to it first)."""
+    """x @ weight^T (+ bias) as nn.Linear computes it, or in out_dtype (operands widened to it first);
+    written into `out` when given."""
     if out_dtype is None or out_dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
+        result = F.linear(x, weight, bias)
+    else:
+        result = F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
+    return result if out is None else out.copy_(result)
 
 
 def add_norm_linear(

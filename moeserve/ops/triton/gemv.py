@@ -27,10 +27,13 @@ from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 from moeserve.ops.triton.skinny_gemm import SkinnyConfig, skinny_bmm
 
 MAX_ROWS = 8
-# Its float32 multiply-reduce grows with rows x N while cuBLAS's MMA path stays flat; measured on
-# H200 behind an RMSNorm (benchmarks/kernels/check_gemv.py): fused_qkv_a (N 3648) 6.1 / 7.4 / 9.8 us
-# at 1 / 2 / 4 rows against cuBLAS's 7.8, o_proj (N 2048) 4.2 / 4.9 / 6.0 / 9.0 at 1 / 2 / 4 / 8
-# against 7.1, the router (N 64) 1.9 - 5.2 against 5.7.
+# Past one row: its float32 multiply-reduce grows with rows x N while cuBLAS's MMA path stays
+# flat; measured on H200 behind an RMSNorm (benchmarks/kernels/check_gemv.py): fused_qkv_a (N 3648)
+# 6.1 / 7.4 / 9.8 us at 1 / 2 / 4 rows against cuBLAS's 7.8, o_proj (N 2048) 4.2 / 4.9 / 6.0 / 9.0
+# at 1 / 2 / 4 / 8 against 7.1, the router (N 64) 1.9 - 5.2 against 5.7. One row is a weight stream
+# at any N: V2-Lite's LM head (102,400 x 2,048) as this GEMV made b1 decode-graph replay 0.9%
+# shorter than cuBLAS's (H200, `ab_decode.py`; 2, 4 or 8 weight rows a program alike, 8 warps
+# +0.3%), while at 4 / 8 rows it was 1.8 / 8.0% longer and the skinny GEMM 1.3 / 1.2% shorter.
 MAX_ROWS_X_N = 8192
 MAX_K = 8192
 # Past the GEMV's rows, up to SKINNY_MAX_ROWS rows go to the skinny GEMM with this tile rather
@@ -147,7 +150,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV takes this call: few rows (times N), K small enough for rows in registers."""
     rows = x.shape[0] if x.dim() == 2 else 0
     return (
-        0 < rows <= MAX_ROWS and rows * weight.shape[0] <= MAX_ROWS_X_N and weight.shape[1] <= MAX_K
+        0 < rows <= MAX_ROWS and (rows == 1 or rows * weight.shape[0] <= MAX_ROWS_X_N) and weight.shape[1] <= MAX_K
         and weight.stride(1) == 1
     )
 
@@ -159,8 +162,10 @@ def gemv(
     out_dtype: torch.dtype | None = None,
     *,
     config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] @ weight [N, K]^T (+ bias) -> [M, N] in out_dtype (default x's), fp32 sums.
+    """x [M <= MAX_ROWS, K] @ weight [N, K]^T (+ bias) -> [M, N] in out_dtype (default x's), fp32 sums,
+    into `out` (rows contiguous) when given.
 
     `weight` and `bias` must not be the output of the kernel just before: they are read before the wait.
     """
@@ -170,13 +175,22 @@ def gemv(
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = _output(out, m, n, out_dtype or x.dtype, x.device)
     config = config or pick_config(n, k, m)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
         K=k, BLOCK_N=config.block_n, BLOCK_K=triton.next_power_of_2(k), HAS_BIAS=bias is not None,
         num_warps=config.num_warps, **pdl_launch(x),
     )
+    return out
+
+
+def _output(out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`out` checked to take an [m, n] result of `dtype` with contiguous rows, or a new tensor."""
+    if out is None:
+        return torch.empty(m, n, dtype=dtype, device=device)
+    if out.shape != (m, n) or out.dtype != dtype or out.device != device or out.stride(1) != 1:
+        raise ValueError(f"linear: out {tuple(out.shape)} {out.dtype} cannot take a [{m}, {n}] {dtype} result")
     return out
 
 
@@ -189,35 +203,40 @@ def _skinny_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     )
 
 
-def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T through the skinny GEMM with the module's tile."""
+def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T through the skinny GEMM with the module's tile (into `out` when given)."""
     block_k = min(SKINNY_BLOCK_K, max(16, triton.next_power_of_2(x.shape[1])))
     m, n = x.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = _output(out, m, n, x.dtype, x.device)
     # Past 16 rows (when SKINNY_MAX_ROWS allows them) the kernel's own wider tile re-reads x less.
     config = SkinnyConfig(SKINNY_BLOCK_N, block_k, 1, SKINNY_WARPS, SKINNY_STAGES) if m <= 16 else None
     # Batch stride 0 (there is one batch): x[None]'s would be rows x K, and Triton specialises
     # integers by divisibility, so a new row count could compile a new variant mid-serving.
     x1 = x.as_strided((1, m, x.shape[1]), (0, x.stride(0), x.stride(1)))
-    skinny_bmm(x1, weight[None], out.as_strided((1, m, n), (0, n, 1)), config=config)
+    skinny_bmm(x1, weight[None], out.as_strided((1, m, n), (0, out.stride(0), 1)), config=config)
     return out
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference `linear`: through the GEMV or the skinny GEMM for decode-size inputs, cuBLAS otherwise."""
     if fits(x, weight) and x.dtype == weight.dtype:
-        return gemv(x, weight, bias, out_dtype)
+        return gemv(x, weight, bias, out_dtype, out=out)
     if _skinny_fits(x, weight, bias, out_dtype):
-        return _skinny_linear(x, weight)
+        return _skinny_linear(x, weight, out)
+    if out is not None:
+        if x.dim() == 2 and bias is None and out_dtype in (None, x.dtype) and x.dtype == weight.dtype:
+            return torch.mm(x, weight.t(), out=out)  # what nn.Linear runs, written in place
+        return out.copy_(linear(x, weight, bias, out_dtype))
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight, bias)
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         return reference_linear(x, weight, bias, out_dtype)
     # Half-precision operands accumulate and write out_dtype directly: no widened copies.
-    out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype).view(*x.shape[:-1], -1)
-    return out if bias is None else out + bias.to(out_dtype)
+    result = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype).view(*x.shape[:-1], -1)
+    return result if bias is None else result + bias.to(out_dtype)
 
 
 def add_norm_linear(
