@@ -33,7 +33,8 @@ MAX_ROWS = 8
 # at 1 / 2 / 4 / 8 against 7.1, the router (N 64) 1.9 - 5.2 against 5.7. One row is a weight stream
 # at any N: V2-Lite's LM head (102,400 x 2,048) as this GEMV made b1 decode-graph replay 0.9%
 # shorter than cuBLAS's (H200, `ab_decode.py`; 2, 4 or 8 weight rows a program alike, 8 warps
-# +0.3%), while at 4 / 8 rows it was 1.8 / 8.0% longer and the skinny GEMM 1.3 / 1.2% shorter.
+# +0.3%; -1.2% with the trees alternating), while at 4 / 8 rows it was 1.8 / 8.0% longer; the
+# skinny GEMM takes 2-16 rows of it, even with cuBLAS.
 MAX_ROWS_X_N = 8192
 MAX_K = 8192
 # Past the GEMV's rows, up to SKINNY_MAX_ROWS rows go to the skinny GEMM with this tile rather
