@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeserve.ops.triton.device import sm_count
+from moeserve.ops.triton.gemv import add_norm_linear
 from moeserve.ops.triton.moe_align import moe_align
 from moeserve.ops.triton.moe_config import Config, get_config, validate_config
 from moeserve.ops.triton.moe_tiles import block_rows, tile_ids, tile_matmul, tile_matmul_tma
@@ -408,7 +409,5 @@ def fused_moe_add_norm_linear(
         _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
         if moe_ring.ring_usable(hidden, w13, w2, topk_ids) and moe_ring.tail_usable(hidden, w13, then):
             return moe_ring.moe_ring(hidden.contiguous(), w13, w2, topk_weights, topk_ids, fixed_tail, then)
-    from moeserve.ops.triton.gemv import add_norm_linear
-
     parts = fused_moe(hidden, w13, w2, topk_weights, topk_ids, sum_slots=False, fixed_tail=fixed_tail)
     return add_norm_linear(parts, residual, norm_weight, eps, weight, bias)
