@@ -27,8 +27,9 @@ from ceilings import measure  # noqa: E402
 from moeserve.ops.reference import attention as ref  # noqa: E402
 from moeserve.ops.triton.flash_attention import varlen_attention  # noqa: E402
 from moeserve.ops.triton.gather_kv import gather_kv  # noqa: E402
-from moeserve.ops.triton.mla_decode import Tiles, decode_tiles, mla_decode, num_splits_for  # noqa: E402
+from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
 from moeserve.ops.triton.mla_extend import mla_extend_absorbed  # noqa: E402
+from moeserve.ops.triton.mla_tiles import Tiles, decode_tiles, num_splits_for  # noqa: E402
 
 RANK, ROPE, HEADS, DQ, DV = 512, 64, 16, 192, 128  # DeepSeek-V2-Lite
 FP8 = torch.float8_e4m3fn

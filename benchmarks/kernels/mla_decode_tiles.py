@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_attention import FP8, best_us, decode_case  # noqa: E402
 
-from moeserve.ops.triton.mla_decode import Tiles, decode_tiles, mla_decode, num_splits_for  # noqa: E402
+from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
+from moeserve.ops.triton.mla_tiles import Tiles, decode_tiles, num_splits_for  # noqa: E402
 
 SHAPES = {
     "bf16": [(32, 4, 3, 1), (32, 4, 2, 2), (64, 8, 3, 1), (64, 4, 3, 1), (64, 4, 2, 1), (16, 4, 3, 2)],

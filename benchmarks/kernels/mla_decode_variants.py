@@ -22,7 +22,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_attention import decode_case, time_us  # noqa: E402
 
-from moeserve.ops.triton.mla_decode import Tiles, mla_decode  # noqa: E402
+from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
+from moeserve.ops.triton.mla_tiles import Tiles  # noqa: E402
 
 LOG2E = 1.4426950408889634
 

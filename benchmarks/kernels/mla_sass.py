@@ -28,7 +28,8 @@ from triton.compiler import ASTSource
 from moeserve.ops.triton.mla_decode import _mla_split_kernel
 
 POINTERS = {"q_lat_ptr": "*bf16", "q_rope_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "qstart_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            "qstart_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            "clear_ptr": "*fp32"}
 DIVISIBLE = ("stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_page", "stride_slot", "stride_ot",
              "stride_oh", "num_heads")
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
@@ -42,7 +43,7 @@ def compile_split(kv: str, block_n: int, warps: int, stages: int, f16: bool):
     consts = dict(LATENT=512, ROPE=64, HALF=256, BLOCK_P=64, BLOCK_Q=1, BLOCK_H=16, BLOCK_N=block_n, PAGE_SIZE=16,
                   SPLIT_KV=False, DECODE=True, EARLY_TILE=False, RELOAD=fp8,
                   COMPUTE=tl.float16 if saturate else tl.bfloat16, PRECISION="tf32", PDL=True,
-                  SATURATE=saturate)  # fmt: skip
+                  SATURATE=saturate, CLEAR_WIDTH=0, CLEAR_BLOCK=1)  # fmt: skip
     names = _mla_split_kernel.arg_names
     signature = {}
     for name in names:

@@ -17,7 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_attention import decode_case, time_us  # noqa: E402
 
-from moeserve.ops.triton.mla_decode import Tiles, decode_tiles, mla_decode, num_splits_for  # noqa: E402
+from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
+from moeserve.ops.triton.mla_tiles import Tiles, decode_tiles, num_splits_for  # noqa: E402
 
 TILES = [
     Tiles(1, 16, 32, 8, 3, 2),

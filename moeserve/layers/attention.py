@@ -76,7 +76,7 @@ class MLAAttention(nn.Module):
         return q.view(qkv_a.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Attention over the already normalised hidden states [T, hidden] -> [T, hidden]."""
+        """Attention over the already normalised hidden states [T, hidden] -> [T, hidden] (or as `attend`)."""
         return self.attend(positions, _linear(self.fused_qkv_a_proj, hidden), batch)
 
     def add_norm_forward(
@@ -89,7 +89,9 @@ class MLAAttention(nn.Module):
         return self.attend(positions, qkv_a, batch), residual
 
     def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Attention from fused_qkv_a_proj's output [T, q_a + kv_a] (computed by the caller) -> [T, hidden]."""
+        """Attention from fused_qkv_a_proj's output [T, q_a + kv_a] (computed by the caller) -> [T, hidden],
+        or for a decode-only batch possibly its float32 one-slot part [T, 1, hidden] (ops.mla_decode),
+        which the next add + RMSNorm takes alike."""
         q, kv = self._project(qkv_a)
         cache = batch.kv_cache.layer(self.layer_idx)
         kv_scale = batch.kv_cache.kv_scale
@@ -126,11 +128,15 @@ class MLAAttention(nn.Module):
         if d:
             b = batch.num_decodes
             # The value projection (W_UV per head) rides along: on the GPU, fused into the merge at
-            # batch 1-2. Decode rows go last: that merge may let o_proj launch before its own wait.
-            ops.mla_decode(
+            # batch 1-2, and so is o_proj when every row decodes. Decode rows go last: without
+            # o_proj that merge may let o_proj launch before its own wait.
+            with_o = tokens == d and self.o_proj.bias is None
+            result = ops.mla_decode(
                 q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
-                kv_scale, w_uv=w_uv, out=out[:d],
+                kv_scale, w_uv=w_uv, out=out[:d], w_o=self.o_proj.weight if with_o else None,
             )
+            if with_o:
+                return result
         return _linear(self.o_proj, out.flatten(1))
 
     def _extend_absorbed(

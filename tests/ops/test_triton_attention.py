@@ -18,8 +18,9 @@ from moeserve.ops.reference import attention as ref
 from moeserve.ops.triton import mla_decode as mla_decode_module
 from moeserve.ops.triton.flash_attention import varlen_attention
 from moeserve.ops.triton.gather_kv import gather_kv
-from moeserve.ops.triton.mla_decode import Tiles, mla_decode
+from moeserve.ops.triton.mla_decode import mla_decode
 from moeserve.ops.triton.mla_extend import mla_extend_absorbed
+from moeserve.ops.triton.mla_tiles import Tiles
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"

@@ -1,5 +1,6 @@
 """MLA decode with the value projection: the split merge fused with W_UV (batch 1-2) and the separate
-path (larger batches) both match the reference decode followed by the per-head matmul."""
+path (larger batches) both match the reference decode followed by the per-head matmul; with o_proj
+too, fused (its float32 sum added by atomics into a row the split kernel zeroes) or after."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from moeserve.ops.reference import attention as ref
 from moeserve.ops.triton import mla_reduce
-from moeserve.ops.triton.mla_decode import Tiles, mla_decode
+from moeserve.ops.triton.mla_decode import mla_decode
+from moeserve.ops.triton.mla_tiles import Tiles
 from tests.ops.test_triton_attention import (
     DEVICE,
     FP8,
@@ -41,7 +43,59 @@ def check(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen, n
     assert rel_err(got, want) < (tol or TOL[dtype])
 
 
+def check_output(seq_lens, heads, rank, v_dim, hidden, dtype, kv_dtype, gen, num_splits=None, tiles=None) -> bool:
+    """o_proj's output against the reference; -> whether it came fused (a float32 one-slot part)."""
+    kv_scale = 0.5 if kv_dtype == FP8 else 1.0
+    rope = 8 if rank < 64 else ROPE
+    cache, table = paged_cache(seq_lens, 16, rank + rope, kv_dtype, gen, kv_scale)
+    q_latent, q_rope = mla_inputs(len(seq_lens), heads, rank, rope, dtype, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    w_uv = (torch.randn(heads, v_dim, rank, generator=gen) * rank**-0.5).to(DEVICE, dtype)
+    w_o = (torch.randn(hidden, heads * v_dim, generator=gen) * (heads * v_dim) ** -0.5).to(DEVICE, dtype)
+    want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, w_uv=w_uv, w_o=w_o)
+    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, w_uv=w_uv, w_o=w_o,
+                     num_splits=num_splits, tiles=tiles)
+    fused = got.dim() == 3
+    if fused:
+        assert got.dtype == torch.float32 and got.shape == (len(seq_lens), 1, hidden)
+        got = got[:, 0]
+    assert got.shape == want.shape == (len(seq_lens), hidden) and torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[dtype]
+    return fused
+
+
 # --- CPU (interpreter) tests: tiny shapes ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("lens", "splits"), [([1], 3), ([70], 5), ([150], 7), ([70, 5], 4)])
+def test_batch_1_fuses_o_proj_into_the_merge(lens, splits, poisoned, monkeypatch):
+    monkeypatch.setattr(mla_reduce, "OUTPUT_BLOCK_R", 16)  # three row blocks of 40, the last one partial
+    monkeypatch.setattr(mla_reduce, "OUTPUT_MAX_ROWS", 2)  # the kernel takes any batch; the op picks 1
+    gen = torch.Generator().manual_seed(splits)
+    tiles = Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1, early_tile=True)
+    assert check_output(lens, 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=splits, tiles=tiles)
+
+
+def test_o_proj_follows_the_merge_past_the_fused_sizes(poisoned, monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    assert not check_output([3, 70, 150], 4, 32, 24, 40, torch.float32, FP8, gen, num_splits=4)
+    assert not check_output([70, 5], 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=4)
+    assert not check_output([70], 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=1)
+    monkeypatch.setattr(mla_reduce, "PROJECT_OUTPUT", False)
+    assert not check_output([70], 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=3)
+
+
+def test_o_proj_weight_is_checked():
+    gen = torch.Generator().manual_seed(9)
+    cache, table = paged_cache([20], 16, 40, torch.float32, gen)
+    q_latent, q_rope = mla_inputs(1, 4, 32, 8, torch.float32, gen)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    w_uv = torch.zeros(4, 24, 32, device=DEVICE)
+    for impl in (mla_decode, ref.mla_decode):
+        with pytest.raises(ValueError, match="needs w_uv"):
+            impl(q_latent, q_rope, cache, table, lens, 0.3, w_o=torch.zeros(40, 96, device=DEVICE))
+    with pytest.raises(ValueError, match="w_o"):
+        mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=torch.zeros(40, 95, device=DEVICE))
 
 
 @pytest.mark.parametrize(("lens", "splits"), [([1], 3), ([16], 2), ([70], 5), ([150], 7), ([40], 1), ([70, 5], 4)])
@@ -106,3 +160,35 @@ def test_gpu_fused_projection_replays_in_cuda_graph():
         graph.replay()
         want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv)
         assert rel_err(out, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize(("lens", "fused"), [([1], False), ([100], False), ([1280], True), ([20000], True),
+                                             ([1500, 37], False)])
+def test_gpu_fused_o_proj_real_shapes(kv_dtype, lens, fused, poisoned):
+    """Fused at batch 1 wherever the cache's 64-key tiles make two splits or more."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    assert check_output(lens, 16, RANK, 128, 2048, torch.bfloat16, kv_dtype, gen) == fused
+
+
+@pytest.mark.gpu
+def test_gpu_fused_o_proj_replays_in_cuda_graph():
+    """Each replay zeroes the row the atomics add into: a replay that did not would double it."""
+    gen = torch.Generator().manual_seed(4)
+    cache, table = paged_cache([4000], 64, RANK + ROPE, torch.bfloat16, gen)
+    q_latent, q_rope = mla_inputs(1, 16, RANK, ROPE, torch.bfloat16, gen)
+    w_uv = (torch.randn(16, 128, RANK, generator=gen) * RANK**-0.5).to(DEVICE, torch.bfloat16)
+    w_o = (torch.randn(2048, 16 * 128, generator=gen) * 2048**-0.5).to(DEVICE, torch.bfloat16)
+    lens = torch.tensor([1000], dtype=torch.int32, device=DEVICE)
+    mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=w_o)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=w_o)
+    assert out.shape == (1, 1, 2048) and out.dtype == torch.float32
+    for n in (1, 700, 700, 4000):
+        lens.fill_(n)
+        q_latent.copy_(torch.randn(q_latent.shape, generator=gen).to(DEVICE, torch.bfloat16) * RANK**-0.25)
+        graph.replay()
+        want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=w_o)
+        assert rel_err(out[:, 0], want) < TOL[torch.bfloat16]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.ops.reference.linear import per_head_matmul
+from moeserve.ops.reference.linear import linear, per_head_matmul
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -94,12 +94,17 @@ def mla_decode(
     *,
     w_uv: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    w_o: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed-form decode: one query per sequence over its whole latent cache -> [B, H, rank].
 
     With w_uv [H, v, rank] the per-head value projection follows -> [B, H, v] (into `out` if
     given): the absorbed form's last step before o_proj, which the GPU path may fuse into its merge.
+    With w_o [hidden, H * v] too, o_proj follows -> [B, hidden] (the GPU path may return it as the
+    float32 one-slot part [B, 1, hidden] that the next add + RMSNorm also takes).
     """
+    if w_o is not None and w_uv is None:
+        raise ValueError("mla_decode: o_proj's weight w_o needs w_uv")
     o_latent = torch.empty_like(q_latent)
     for b, seq_len in enumerate(seq_lens.tolist()):
         kv = _gather_one(kv_cache, block_table[b], seq_len, kv_scale)
@@ -108,7 +113,8 @@ def mla_decode(
         return o_latent
     if out is None:
         out = o_latent.new_empty(o_latent.shape[0], o_latent.shape[1], w_uv.shape[1])
-    return per_head_matmul(o_latent, w_uv.transpose(1, 2), out)
+    values = per_head_matmul(o_latent, w_uv.transpose(1, 2), out)
+    return values if w_o is None else linear(values.flatten(1), w_o)
 
 
 def mla_extend_absorbed(

@@ -19,25 +19,24 @@ kept in base 2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from moeserve.ops.triton import mla_reduce
-from moeserve.ops.triton.device import sm_count
-from moeserve.ops.triton.mla_reduce import query_span, reduce_and_project, reduce_splits, split_len
+from moeserve.ops.triton.gemv import linear
+from moeserve.ops.triton.mla_reduce import (
+    Projection,
+    query_span,
+    reduce_and_project,
+    reduce_splits,
+    split_len,
+)
+from moeserve.ops.triton.mla_tiles import Tiles, decode_tiles, num_splits_for
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 from moeserve.ops.triton.skinny_gemm import per_head_matmul
 
 LOG2E = 1.4426950408889634
-# One tile per split is still worth it: at serving-length contexts (1-2K keys) a few programs
-# walking many tiles each are latency-bound (benchmarks/kernels/sweep_mla_short.py).
-MIN_SPLIT_KEYS = 32
-MAX_SPLITS = 512
-# FP8 cache, 33-128 decode rows: programs an SM the split count aims at (decode_tiles).
-FP8_MID_CTAS = 2
 # FP8 tiles widen to float16 for the matmuls: one conversion a pair of values, where bfloat16
 # takes a second (F2F) per value. Query values past float16's range saturate (SATURATE).
 FP8_F16_MATMULS = True
@@ -232,17 +231,27 @@ def _first_tile_then_wait(
     return first_n, lat_a, lat_b, rope, pv_a, pv_b
 
 
+@triton.jit
+def _clear_row(clear_ptr, b, split, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero sequence b's float32 row of o_proj's output, which the merge adds into (mla_reduce's
+    PROJECT_OUTPUT): here, after the wait, because a kernel before this one may still read it."""
+    if (split == 0) & (tl.program_id(0) == 0):  # the one program every sequence has
+        offs = tl.arange(0, BLOCK)
+        tl.store(clear_ptr + b * WIDTH + offs, tl.zeros_like(offs).to(tl.float32), mask=offs < WIDTH)
+
+
 # Ints that change from batch to batch are not specialised (a value of 1 or a multiple of 16
 # would otherwise compile a new variant mid-serving, a second-long stall).
 @triton.jit(do_not_specialize=["stride_table", "num_q_blocks", "num_splits"])
 def _mla_split_kernel(
-    q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, qstart_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, qstart_ptr, out_ptr, part_o_ptr, part_lse_ptr, clear_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_page, stride_slot, stride_table, stride_ot, stride_oh,
     num_heads, num_q_blocks, num_splits, qk_scale, out_scale,
     LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, EARLY_TILE: tl.constexpr, RELOAD: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SATURATE: tl.constexpr,
+    CLEAR_WIDTH: tl.constexpr = 0, CLEAR_BLOCK: tl.constexpr = 1,
 ):
     if not EARLY_TILE:
         wait_for_prior_grid(PDL)
@@ -274,6 +283,8 @@ def _mla_split_kernel(
             kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
             LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
         )
+    if CLEAR_WIDTH:
+        _clear_row(clear_ptr, b, split, CLEAR_WIDTH, CLEAR_BLOCK)
     q_a, q_b, q_rope = _load_query(
         q_lat_ptr, q_rope_ptr, q_row, head, row_ok, offs_c, offs_p, stride_qt, stride_qh, stride_rt, stride_rh,
         LATENT, ROPE, HALF, COMPUTE, SATURATE,
@@ -306,29 +317,6 @@ def _mla_split_kernel(
         acc_a, acc_b, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
         out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_splits, LATENT, HALF, SPLIT_KV,
     )
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """Launch shape: BLOCK_Q tokens x BLOCK_H heads per program, BLOCK_N keys per step."""
-
-    block_q: int
-    block_h: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-    # Programs that fit on an SM at once (registers, shared memory as compiled for sm_90): the
-    # split count aims at exactly one wave of them.
-    ctas_per_sm: int = 1
-    # Decode: each split loads its first KV tile before waiting on the previous kernel.
-    early_tile: bool = False
-
-
-def num_splits_for(programs: int, max_ctx: int, tiles: Tiles, device: torch.device) -> int:
-    """Key splits that fill one wave of the GPU with `programs` x splits, from shapes only."""
-    slots = tiles.ctas_per_sm * sm_count(device)
-    cap = max(1, min(MAX_SPLITS, max_ctx // max(MIN_SPLIT_KEYS, tiles.block_n)))
-    return max(1, min(slots // max(programs, 1), cap))
 
 
 def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
@@ -365,12 +353,12 @@ def run_absorbed(
     kv_scale: float,
     tiles: Tiles,
     num_splits: int,
-    project: tuple[torch.Tensor, torch.Tensor] | None = None,
+    project: Projection | None = None,
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when num_splits > 1); query_start_loc None = decode.
 
-    `project` (W_UV [H, v, rank], out [B, H, v]), decode with splits only: the reduce applies W_UV
-    too (mla_reduce.reduce_and_project) and this returns that out.
+    `project`, decode with splits only: the reduce applies W_UV (and o_proj) too
+    (mla_reduce.reduce_and_project) and this returns project.out.
     """
     _check(q_latent, q_rope, kv_cache, block_table)
     # Rows may be strided (q_rope is a slice of q); only the innermost dim must be contiguous.
@@ -380,7 +368,8 @@ def run_absorbed(
     fused = project is not None
     assert not fused or (query_start_loc is None and num_splits > 1), "the fused value projection merges decode splits"
     # Fused, the projection's output is the result (the split kernel writes only partials then).
-    out = project[1] if fused else torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    out = project.out if fused else torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    clear = out if fused and project.w_o is not None else None
     batch = seq_lens.shape[0]
     if rows == 0 or batch == 0 or max_query_len <= 0:
         return out
@@ -397,7 +386,7 @@ def run_absorbed(
         part_o = part_lse = out
     grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), batch, num_splits)
     _mla_split_kernel[grid](
-        q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse,
+        q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, part_lse if clear is None else clear,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         heads, num_q_blocks, num_splits, scale * kv_scale * LOG2E, kv_scale,
@@ -407,54 +396,15 @@ def run_absorbed(
         SPLIT_KV=num_splits > 1, DECODE=decode, EARLY_TILE=decode and tiles.early_tile,
         RELOAD=fp8 and compute != tl.float32, COMPUTE=compute, SATURATE=saturate,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
+        CLEAR_WIDTH=0 if clear is None else clear.shape[-1],
+        CLEAR_BLOCK=1 if clear is None else triton.next_power_of_2(clear.shape[-1]),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
     if fused:
-        return reduce_and_project(part_o, part_lse, seq_lens, *project, num_splits, tiles.block_n)
+        return reduce_and_project(part_o, part_lse, seq_lens, project, num_splits, tiles.block_n)
     if num_splits > 1:
         reduce_splits(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
     return out
-
-
-def decode_tiles(
-    num_heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, batch: int = 1
-) -> Tiles:
-    """Decode launch shape: one token per program, all heads of a group sharing each KV tile."""
-    if device.type != "cuda":
-        return Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1)
-    # Checked for sm_90 with ptxas (no spills; shared memory for the stated programs per SM).
-    if q_dtype == torch.float32:  # tests only: fp32 tiles are twice the size
-        return Tiles(block_q=1, block_h=16, block_n=16, num_warps=8, num_stages=2, ctas_per_sm=2)
-    if num_heads > 16:
-        return Tiles(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1)
-    if kv_dtype == torch.float8_e4m3fn:
-        # Measured at 1,152 keys (H200, benchmarks/kernels/mla_decode_tiles.py --kv fp8): 32-key
-        # tiles on eight warps, four stages at 2-4 rows; 64-key tiles on eight warps, two stages
-        # at 1 and 5-8 (b1 17.0 -> 11.4 us, b8 20.7 -> 19.3); past that 32-key tiles on four
-        # warps, two stages. At 33-128 rows the splits aim at two programs an SM (FP8_MID_CTAS):
-        # twice the splits, so more bytes in flight (b64 58.1 -> 45.7 us, b128 95.2 -> 79.5); at
-        # 9-32 and past 128 that is even. (Widened to bfloat16 then; with float16 matmuls the
-        # picks take b1 10.3, b8 17.0, b64 39.2, b128 65.9, b256 108.9 us.)
-        if 2 <= batch <= 4:
-            return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
-        if batch <= 8:
-            return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
-        ctas = FP8_MID_CTAS if 32 < batch <= 128 else 1
-        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=ctas)
-    # Measured at 1-2K keys (sweep_mla_short.py): 64-key tiles win from 33 to 128 queries (two
-    # splits each; four warps since the latent halves: b128 50.5 -> 47.0 us), four warps on 32-key
-    # tiles from 2 to 32; one program per SM sets the splits.
-    if 32 < batch <= 128:
-        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=1)
-    # One sequence: each split is a single short program, and eight warps shorten its chain
-    # (1280 keys on H200 with PDL: 10.4 us for split + reduce against 11.3 with four warps).
-    # Its first tile streams in behind the previous kernel: decode-graph replay 2.189 -> 2.135 ms
-    # at batch 1, while at 8 and 64 (longer splits) it cost 1.5%. 64-key tiles, one program an
-    # SM: half the splits for the merge to read (split + merge + W_UV, H200: 1,152 keys 11.5 ->
-    # 11.0 us, 4K 21.7 -> 14.4, 16K 45.1 -> 26.0, 64K 77.0 -> 50.0).
-    if batch == 1:
-        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, early_tile=True)
-    return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=1)
 
 
 def mla_decode(
@@ -468,15 +418,19 @@ def mla_decode(
     *,
     w_uv: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    w_o: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Absorbed-form decode over the paged latent cache -> [B, H, rank]; with w_uv [H, v, rank] the
-    per-head value projection too -> [B, H, v] (into `out` if given). Other keywords: tuning overrides.
+    per-head value projection too -> [B, H, v] (into `out` if given); with w_o [hidden, H * v] as
+    well, o_proj's output: [B, hidden], or at batch 1 its float32 one-slot part [B, 1, hidden]
+    (mla_reduce.PROJECT_OUTPUT), which the next add + RMSNorm takes alike. Other keywords: tuning
+    overrides.
 
-    With w_uv at batch 1-2 the kernel launched next may start before this op's last kernel has
-    waited on the one before (mla_reduce.PROJECT_EARLY_LAUNCH): it must read only weights before
-    its own PDL wait, as o_proj's GEMV does.
+    With w_uv and no w_o at batch 1-2 the kernel launched next may start before this op's last
+    kernel has waited on the one before (mla_reduce.PROJECT_EARLY_LAUNCH): it must read only
+    weights before its own PDL wait, as o_proj's GEMV does.
     """
     batch, heads = q_latent.shape[0], q_latent.shape[1]
     if seq_lens.shape[0] != batch or block_table.shape[0] != batch:
@@ -488,15 +442,30 @@ def mla_decode(
         programs = batch * triton.cdiv(heads, tiles.block_h)
         num_splits = num_splits_for(programs, block_table.shape[1] * kv_cache.shape[1], tiles, q_latent.device)
     project = None
+    if w_o is not None and w_uv is None:
+        raise ValueError("mla_decode: o_proj's weight w_o needs w_uv")
     if w_uv is not None:
-        if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != q_latent.shape[2]:
-            raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {q_latent.shape[2]}]")
+        _check_projections(q_latent, w_uv, w_o)
         if out is None:
             out = q_latent.new_empty(batch, heads, w_uv.shape[1])
         if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
-            project = (w_uv, out)
+            if w_o is not None and mla_reduce.PROJECT_OUTPUT and batch <= mla_reduce.OUTPUT_MAX_ROWS:
+                summed = torch.empty(batch, 1, w_o.shape[0], dtype=torch.float32, device=q_latent.device)
+                return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale,
+                                    tiles, num_splits, project=Projection(w_uv, summed, w_o))
+            project = Projection(w_uv, out)
     result = run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
                           num_splits, project=project)
-    if w_uv is None or project is not None:
+    if w_uv is None:
         return result
-    return per_head_matmul(result, w_uv.transpose(1, 2), out)
+    if project is None:
+        result = per_head_matmul(result, w_uv.transpose(1, 2), out)
+    return result if w_o is None else linear(result.flatten(1), w_o)
+
+
+def _check_projections(q_latent: torch.Tensor, w_uv: torch.Tensor, w_o: torch.Tensor | None) -> None:
+    heads, rank = q_latent.shape[1], q_latent.shape[2]
+    if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
+        raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {rank}]")
+    if w_o is not None and (w_o.dim() != 2 or w_o.shape[1] != heads * w_uv.shape[1]):
+        raise ValueError(f"mla_decode: w_o {tuple(w_o.shape)} is not [hidden, {heads * w_uv.shape[1]}]")

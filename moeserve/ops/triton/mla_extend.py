@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from moeserve.ops.triton.mla_decode import Tiles, num_splits_for, run_absorbed
+from moeserve.ops.triton.mla_decode import run_absorbed
+from moeserve.ops.triton.mla_tiles import Tiles, num_splits_for
 
 BLOCK_M = 32  # query rows (tokens x heads) per program on the GPU; 64 spills the [64, 512] accumulator
 

@@ -1,14 +1,17 @@
-"""Merging flash-decoding splits of MLA attention, and the merge fused with the value projection.
+"""Merging flash-decoding splits of MLA attention, and the merge fused with the output projections.
 
 The split kernel (mla_decode.py) leaves, per query row, head and split, a normalised partial
 output over its keys and their log-sum-exp (base 2). The merge weighs each partial by its share
 of the total exp-sum. At batch 1 the merge, and the per-head value projection (W_UV) after it,
 are each a few-microsecond launch whose time is latency; `reduce_and_project` does both in one:
 each program loads its W_UV rows before waiting on the split kernel (weights; see pdl.py), then
-merges its head's splits and multiplies.
+merges its head's splits and multiplies. At batch 1 it can apply o_proj as well: each program
+also loads its values' o_proj columns and adds their products into a float32 output row by atomics.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,6 +34,28 @@ PROJECT_BLOCK_V = 32  # value columns (W_UV rows) per fused program
 PROJECT_EARLY_LAUNCH = True
 # H200 b1 decode-graph replay against eight warps: four +3.7%, two +7.1%, sixteen +2.0%.
 PROJECT_WARPS = 8
+# Given o_proj's weight as well, at batch 1 the fused merge applies it too: each program multiplies
+# its BLOCK_V values by their o_proj columns and adds the sums into a float32 row by atomics (zeroed
+# by the split kernel after its wait). That takes o_proj's kernel, its hop and its dependent read of
+# the values off batch 1's attention chain. H200 b1 decode-graph replay against o_proj's GEMV after
+# the merge: -0.7% / -0.5% on two machines with every o_proj row in a program (64 programs, one an SM
+# beside the split kernel's keyed programs); 1,024 rows (128 programs, some of which wait for an SM
+# and load their columns late) +2.0%; 64 values a program +1.0%; the MoE entry launched early
+# +0.8%. At batch 2 (128 programs) +0.7%, so the op leaves batch 2 to the GEMV.
+PROJECT_OUTPUT = True
+OUTPUT_MAX_ROWS = 1
+OUTPUT_BLOCK_R = 2048  # o_proj rows a program adds into
+OUTPUT_WARPS = 8
+
+
+@dataclass(frozen=True)
+class Projection:
+    """What the decode merge applies after merging: W_UV [H, v, rank] into out [B, H, v]; with
+    w_o (o_proj [hidden, H * v]) that too, added into out, then a zeroed float32 [B, 1, hidden]."""
+
+    w_uv: torch.Tensor
+    out: torch.Tensor
+    w_o: torch.Tensor | None = None
 
 
 @triton.jit
@@ -132,6 +157,37 @@ def _reduce_project_kernel(
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_v, v.to(out_ptr.dtype.element_ty), mask=offs_v < V_DIM)
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_project_output_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, w_ptr, wo_ptr, out_ptr, stride_wh, stride_wv, stride_wo, num_heads,
+    num_splits, HIDDEN: tl.constexpr, V_DIM: tl.constexpr, LATENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (sequence x head, value block, output block): out[b, 0, r] += sum over the block's
+    values v of W_o[r, (h, v)] * (merged latent [b, h] . W_UV[h, v])."""
+    b = tl.program_id(0) // num_heads
+    head = tl.program_id(0) % num_heads
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_c = tl.arange(0, BLOCK_C)
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    v_ok = offs_v < V_DIM
+    w = tl.load(w_ptr + head * stride_wh + offs_v[:, None] * stride_wv + offs_c[None, :],
+                mask=v_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0)
+    w_o = tl.load(wo_ptr + rows[:, None].to(tl.int64) * stride_wo + head * V_DIM + offs_v[None, :],
+                  mask=(rows[:, None] < HIDDEN) & v_ok[None, :], other=0.0)
+    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")  # the step's input (pdl.py)
+    wait_for_prior_grid(PDL)
+    n_valid = tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
+    row = b.to(tl.int64)
+    o = _merge(part_o_ptr, part_lse_ptr, (row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
+    # Rounded as the separate kernels round: the merged latent, then the values before o_proj.
+    o = o.to(w_ptr.dtype.element_ty).to(tl.float32)
+    v = tl.sum(w.to(tl.float32) * o[None, :], axis=1).to(w_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.sum(w_o.to(tl.float32) * v[None, :], axis=1)
+    tl.atomic_add(out_ptr + row * HIDDEN + rows, y, mask=rows < HIDDEN, sem="relaxed")
+
+
 def reduce_splits(
     part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, qstart: torch.Tensor, out: torch.Tensor,
     max_query_len: int, batch: int, num_splits: int, block_n: int, decode: bool,
@@ -153,22 +209,45 @@ def reduce_splits(
 
 
 def reduce_and_project(
-    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor,
-    num_splits: int, block_n: int,
+    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, project: Projection, num_splits: int,
+    block_n: int,
 ) -> torch.Tensor:
-    """Decode: merge the splits and apply W_UV [H, v, rank] per head in one launch -> out [B, H, v].
+    """Decode: merge the splits and apply W_UV [H, v, rank] per head (and o_proj, given) in one
+    launch -> project.out.
 
-    The kernel after this one may launch before the merge has waited on the split kernel
-    (PROJECT_EARLY_LAUNCH): it must read nothing but weights before its own wait (o_proj's GEMV).
+    Without o_proj the kernel after this one may launch before the merge has waited on the split
+    kernel (PROJECT_EARLY_LAUNCH): it must read nothing but weights before its own wait (o_proj's GEMV).
     """
-    batch, heads, v_dim = out.shape
-    rank = part_o.shape[-1]
+    w_uv, out = project.w_uv, project.out
     if w_uv.stride(-1) != 1:
         w_uv = w_uv.contiguous()
+    if project.w_o is not None:
+        return _reduce_project_output(part_o, part_lse, seq_lens, w_uv, project.w_o, out, num_splits, block_n)
+    batch, heads, v_dim = out.shape
+    rank = part_o.shape[-1]
     _reduce_project_kernel[(batch * heads, triton.cdiv(v_dim, PROJECT_BLOCK_V))](
         part_o, part_lse, seq_lens, w_uv, out, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
         heads, num_splits, V_DIM=v_dim, LATENT=rank, BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S,
         BLOCK_C=triton.next_power_of_2(rank), BLOCK_V=PROJECT_BLOCK_V, EARLY_LAUNCH=PROJECT_EARLY_LAUNCH,
         num_warps=PROJECT_WARPS, **pdl_launch(out),
+    )
+    return out
+
+
+def _reduce_project_output(
+    part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, w_uv: torch.Tensor, w_o: torch.Tensor,
+    out: torch.Tensor, num_splits: int, block_n: int,
+) -> torch.Tensor:
+    """Merge, W_UV and o_proj in one launch, added into the zeroed float32 out [B, 1, hidden]."""
+    batch, heads, rank = part_o.shape[0], part_o.shape[1], part_o.shape[-1]
+    v_dim, hidden = w_uv.shape[1], w_o.shape[0]
+    if w_o.stride(-1) != 1:
+        w_o = w_o.contiguous()
+    grid = (batch * heads, triton.cdiv(v_dim, PROJECT_BLOCK_V), triton.cdiv(hidden, OUTPUT_BLOCK_R))
+    _reduce_project_output_kernel[grid](
+        part_o, part_lse, seq_lens, w_uv, w_o, out, w_uv.stride(0), w_uv.stride(1), w_o.stride(0), heads,
+        num_splits, HIDDEN=hidden, V_DIM=v_dim, LATENT=rank, BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S,
+        BLOCK_C=triton.next_power_of_2(rank), BLOCK_V=PROJECT_BLOCK_V, BLOCK_R=min(OUTPUT_BLOCK_R, triton.next_power_of_2(hidden)),
+        num_warps=OUTPUT_WARPS, **pdl_launch(out),
     )
     return out

@@ -71,11 +71,12 @@ def _norm_route_kernel(
                 mask=(experts < NUM_EXPERTS)[:, None] & h_ok[None, :], other=0.0)
     norm_w = tl.load(norm_w_ptr + cols, mask=h_ok, other=0.0).to(tl.float32)
     wait_for_prior_grid(PDL)
-    x = tl.load(x_ptr + m * stride_x + cols, mask=h_ok, other=0.0)
+    # x may be a float32 sum (attention with o_proj fused in): rounded to the residual's dtype first.
+    x = tl.load(x_ptr + m * stride_x + cols, mask=h_ok, other=0.0).to(res_ptr.dtype.element_ty)
     res = tl.load(res_ptr + m * stride_res + cols, mask=h_ok, other=0.0)
-    # Rounded as the reference rounds: the sum to x's dtype, then the normalised row.
-    summed = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-    normed = normalize_row(summed.to(tl.float32), norm_w, HIDDEN, eps, x.dtype)
+    # Rounded as the reference rounds: the sum to the residual's dtype, then the normalised row.
+    summed = (x.to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+    normed = normalize_row(summed.to(tl.float32), norm_w, HIDDEN, eps, res.dtype)
     if pid_e == 0:
         tl.store(summed_ptr + m * HIDDEN + cols, summed, mask=h_ok)
         tl.store(normed_ptr + m * HIDDEN + cols, normed, mask=h_ok)
@@ -102,12 +103,16 @@ def _norm_route_kernel(
 
 
 def fits(x: torch.Tensor, residual: torch.Tensor, router_weight: torch.Tensor) -> bool:
-    """Whether the one-launch kernel takes this call (otherwise: the three separate kernels)."""
+    """Whether the one-launch kernel takes this call (otherwise: the three separate kernels). x is
+    [T, H] in the residual's dtype or a float32 one-slot part [T, 1, H]."""
     half = (torch.bfloat16, torch.float16)
+    part = x.dim() == 3 and x.shape[1] == 1 and x.dtype == torch.float32
+    row = x[:, 0] if part else x
     return (
-        x.dim() == 2 and 0 < x.shape[0] <= PER_TOKEN_MAX_TOKENS and x.shape[1] <= MAX_HIDDEN
-        and x.dtype in half and router_weight.dtype == x.dtype and residual.shape == x.shape
-        and residual.dtype == x.dtype and x.stride(1) == 1 and residual.stride(1) == 1 and router_weight.is_contiguous()
+        (part or x.dtype == residual.dtype) and row.dim() == 2 and 0 < row.shape[0] <= PER_TOKEN_MAX_TOKENS
+        and row.shape[1] <= MAX_HIDDEN and residual.dtype in half and router_weight.dtype == residual.dtype
+        and residual.shape == row.shape and row.stride(1) == 1 and residual.stride(1) == 1
+        and router_weight.is_contiguous()
     )
 
 
@@ -128,7 +133,7 @@ def add_norm_route(
     correction_bias = routing["correction_bias"]
     tokens = x.shape[0]
     e_pad = triton.next_power_of_2(experts)
-    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    normed, summed = torch.empty_like(residual), torch.empty_like(residual)
     logits = torch.empty(tokens, e_pad, dtype=torch.float32, device=x.device)
     weights = torch.empty(tokens, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, width, dtype=torch.int32, device=x.device)
