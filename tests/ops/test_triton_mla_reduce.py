@@ -164,10 +164,10 @@ def test_gpu_fused_projection_replays_in_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize(("lens", "fused"), [([1], False), ([100], False), ([1280], True), ([20000], True),
+@pytest.mark.parametrize(("lens", "fused"), [([1], False), ([100], True), ([1280], True), ([20000], True),
                                              ([1500, 37], False)])
 def test_gpu_fused_o_proj_real_shapes(kv_dtype, lens, fused, poisoned):
-    """Fused at batch 1 wherever the cache's 64-key tiles make two splits or more."""
+    """Fused at batch 1 wherever the page table's 64-key tiles make two splits or more."""
     gen = torch.Generator().manual_seed(sum(lens))
     assert check_output(lens, 16, RANK, 128, 2048, torch.bfloat16, kv_dtype, gen) == fused
 
