@@ -85,6 +85,14 @@ def test_o_proj_follows_the_merge_past_the_fused_sizes(poisoned, monkeypatch):
     assert not check_output([70], 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=3)
 
 
+def test_o_proj_fuses_at_batch_1_only(monkeypatch):
+    cpu = torch.device("cpu")
+    assert mla_reduce.fuses_output(1, 16, 128, 2048, cpu)
+    assert not mla_reduce.fuses_output(2, 16, 128, 2048, cpu)
+    monkeypatch.setattr(mla_reduce, "PROJECT_OUTPUT", False)
+    assert not mla_reduce.fuses_output(1, 16, 128, 2048, cpu)
+
+
 def test_o_proj_weight_is_checked():
     gen = torch.Generator().manual_seed(9)
     cache, table = paged_cache([20], 16, 40, torch.float32, gen)
@@ -192,3 +200,11 @@ def test_gpu_fused_o_proj_replays_in_cuda_graph():
         graph.replay()
         want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=w_o)
         assert rel_err(out[:, 0], want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_fuses_o_proj_only_where_its_programs_fit_beside_the_split_kernel():
+    """V2-Lite's 64 programs fit an H100's or H200's SMs; DeepSeek-V3's 128 heads (2,048) do not."""
+    dev = torch.device(DEVICE)
+    assert mla_reduce.fuses_output(1, 16, 128, 2048, dev)
+    assert not mla_reduce.fuses_output(1, 128, 128, 7168, dev)

@@ -449,7 +449,7 @@ def mla_decode(
         if out is None:
             out = q_latent.new_empty(batch, heads, w_uv.shape[1])
         if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
-            if w_o is not None and mla_reduce.PROJECT_OUTPUT and batch <= mla_reduce.OUTPUT_MAX_ROWS:
+            if w_o is not None and mla_reduce.fuses_output(batch, heads, w_uv.shape[1], w_o.shape[0], w_o.device):
                 summed = torch.empty(batch, 1, w_o.shape[0], dtype=torch.float32, device=q_latent.device)
                 return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale,
                                     tiles, num_splits, project=Projection(w_uv, summed, w_o))

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.device import sm_count
 from moeserve.ops.triton.pdl import launch_next_early, pdl_launch, wait_for_prior_grid
 
 REDUCE_BLOCK_S = 16  # splits merged per step of the reduce
@@ -41,7 +42,8 @@ PROJECT_WARPS = 8
 # the merge: -0.7% / -0.5% on two machines with every o_proj row in a program (64 programs, one an SM
 # beside the split kernel's keyed programs); 1,024 rows (128 programs, some of which wait for an SM
 # and load their columns late) +2.0%; 64 values a program +1.0%; the MoE entry launched early
-# +0.8%. At batch 2 (128 programs) +0.7%, so the op leaves batch 2 to the GEMV.
+# +0.8%. At batch 2 (128 programs) +0.7%, so the op leaves batch 2 to the GEMV, and shapes with
+# more programs than half the SMs (the split kernel's keyed programs fill the SMs they are on).
 PROJECT_OUTPUT = True
 OUTPUT_MAX_ROWS = 1
 OUTPUT_BLOCK_R = 2048  # o_proj rows a program adds into
@@ -232,6 +234,14 @@ def reduce_and_project(
         num_warps=PROJECT_WARPS, **pdl_launch(out),
     )
     return out
+
+
+def fuses_output(batch: int, heads: int, v_dim: int, hidden: int, device: torch.device) -> bool:
+    """Whether the merge applies o_proj too (see PROJECT_OUTPUT): batch 1, and few enough programs
+    that each finds an SM of its own to load its o_proj columns on."""
+    programs = batch * heads * triton.cdiv(v_dim, PROJECT_BLOCK_V) * triton.cdiv(hidden, OUTPUT_BLOCK_R)
+    on_gpu_fits = device.type != "cuda" or programs <= sm_count(device) // 2
+    return PROJECT_OUTPUT and batch <= OUTPUT_MAX_ROWS and on_gpu_fits
 
 
 def _reduce_project_output(
