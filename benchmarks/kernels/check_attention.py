@@ -5,7 +5,8 @@
 Parity: MLA decode (bf16 / fp8 cache, H = 16 and 128, page sizes 1 / 16 / 64, ragged lengths,
 replayed from a CUDA graph with new lengths), MLA extend after prefixes, varlen flash attention
 (Dq = 192, Dv = 128) and the KV gather, against the PyTorch references on the same inputs.
-Speed (DeepSeek-V2-Lite dims): decode time and KV GB/s vs the measured read bandwidth; prefill
+Speed (DeepSeek-V2-Lite dims): decode time and KV GB/s vs the measured read bandwidth (at batch 1
+also with W_UV and o_proj fused into the merge, counting their weights); prefill
 TFLOP/s vs the measured bf16 matmul rate; a small sweep of decode split counts and tile shapes
 for tuning. With OUT set, everything also goes to $OUT/check_attention.json.
 """
@@ -31,7 +32,7 @@ from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
 from moeserve.ops.triton.mla_extend import mla_extend_absorbed  # noqa: E402
 from moeserve.ops.triton.mla_tiles import Tiles, decode_tiles, num_splits_for  # noqa: E402
 
-RANK, ROPE, HEADS, DQ, DV = 512, 64, 16, 192, 128  # DeepSeek-V2-Lite
+RANK, ROPE, HEADS, DQ, DV, HIDDEN = 512, 64, 16, 192, 128, 2048  # DeepSeek-V2-Lite
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"
 DECODE_CASES = [(1, 1024), (1, 32768), (1, 131072), (8, 32768), (64, 1024), (256, 1024)]  # (batch, ctx)
@@ -184,6 +185,25 @@ def bench_decode(gen: torch.Generator, read_gbs: float) -> list[dict]:
     return rows
 
 
+def bench_decode_projections(gen: torch.Generator, read_gbs: float) -> list[dict]:
+    """Batch 1's decode alone, with W_UV fused into the merge, and with o_proj too (the engine's
+    path): time and GB/s over the KV and the weights each reads."""
+    w_uv = torch.randn(HEADS, DV, RANK, device=DEV, dtype=torch.bfloat16) * RANK**-0.5
+    w_o = torch.randn(HIDDEN, HEADS * DV, device=DEV, dtype=torch.bfloat16) * (HEADS * DV) ** -0.5
+    rows = []
+    for ctx in (1024, 4096, 32768):
+        args, kv_bytes = decode_case(1, ctx, torch.bfloat16, gen)
+        for name, extra in (("latent", {}), ("w_uv", {"w_uv": w_uv}), ("w_uv+o_proj", {"w_uv": w_uv, "w_o": w_o})):
+            nbytes = kv_bytes + sum(w.numel() * w.element_size() for w in extra.values())
+            us = time_us(lambda args=args, extra=extra: mla_decode(*args, **extra))
+            gbs = nbytes / us / 1e3
+            rows.append({"kernel": f"mla_decode+{name}", "batch": 1, "ctx": ctx, "us": round(us, 2),
+                         "gbs": round(gbs, 1), "frac_of_read_bw": round(gbs / read_gbs, 3)})
+            print(f"mla_decode {name:>12} B=1 ctx={ctx:<6} {us:9.1f} us {gbs:7.0f} GB/s  ({gbs / read_gbs:.0%} of {read_gbs:.0f})")
+        del args
+    return rows
+
+
 def sweep_decode(gen: torch.Generator) -> list[dict]:
     """Split counts and tile shapes around the defaults, for tuning (microseconds)."""
     # The defaults first; every shape here was checked for spills and shared memory with ptxas.
@@ -245,10 +265,11 @@ def main() -> int:
     ceilings = measure()
     print(f"ceilings: {ceilings}")
     decode = bench_decode(gen, ceilings["read_gbs"])
+    projections = bench_decode_projections(gen, ceilings["read_gbs"])
     prefill = bench_prefill(gen, ceilings["bf16_tflops"])
     sweep = sweep_decode(gen)
     result = {"device": ceilings["device"], "ceilings": ceilings, "parity": parity, "parity_ok": not failed,
-              "decode": decode, "prefill": prefill, "decode_sweep": sweep, "seconds": round(time.time() - start, 1)}
+              "decode": decode, "decode_projections": projections, "prefill": prefill, "decode_sweep": sweep, "seconds": round(time.time() - start, 1)}
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "check_attention.json"
         path.write_text(json.dumps(result, indent=1))
