@@ -369,7 +369,7 @@ def run_absorbed(
     assert not fused or (query_start_loc is None and num_splits > 1), "the fused value projection merges decode splits"
     # Fused, the projection's output is the result (the split kernel writes only partials then).
     out = project.out if fused else torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
-    clear = out if fused and project.w_o is not None else None
+    clear_width = out.shape[-1] if fused and project.w_o is not None else 0  # o_proj's float32 row to zero
     batch = seq_lens.shape[0]
     if rows == 0 or batch == 0 or max_query_len <= 0:
         return out
@@ -379,14 +379,10 @@ def run_absorbed(
     decode = query_start_loc is None
     qstart = seq_lens if decode else query_start_loc
     num_q_blocks = triton.cdiv(max_query_len, tiles.block_q)
-    if num_splits > 1:
-        part_o = torch.empty(rows, heads, num_splits, rank, dtype=torch.float32, device=out.device)
-        part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=out.device)
-    else:
-        part_o = part_lse = out
+    part_o, part_lse = _partials(rows, heads, num_splits, rank, out)
     grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), batch, num_splits)
     _mla_split_kernel[grid](
-        q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, part_lse if clear is None else clear,
+        q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, out if clear_width else part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         heads, num_q_blocks, num_splits, scale * kv_scale * LOG2E, kv_scale,
@@ -396,8 +392,7 @@ def run_absorbed(
         SPLIT_KV=num_splits > 1, DECODE=decode, EARLY_TILE=decode and tiles.early_tile,
         RELOAD=fp8 and compute != tl.float32, COMPUTE=compute, SATURATE=saturate,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        CLEAR_WIDTH=0 if clear is None else clear.shape[-1],
-        CLEAR_BLOCK=1 if clear is None else triton.next_power_of_2(clear.shape[-1]),
+        CLEAR_WIDTH=clear_width, CLEAR_BLOCK=triton.next_power_of_2(max(clear_width, 1)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
     if fused:
@@ -405,6 +400,14 @@ def run_absorbed(
     if num_splits > 1:
         reduce_splits(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
     return out
+
+
+def _partials(rows: int, heads: int, num_splits: int, rank: int, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The splits' partial outputs and log-sum-exps (float32), or `out` twice with one split (unused)."""
+    if num_splits == 1:
+        return out, out
+    part_o = torch.empty(rows, heads, num_splits, rank, dtype=torch.float32, device=out.device)
+    return part_o, torch.empty(rows, heads, num_splits, dtype=torch.float32, device=out.device)
 
 
 def mla_decode(
