@@ -26,18 +26,22 @@ from tests.ops.test_triton_attention import (
 __all__ = ["poisoned"]  # the fixture, used by name below
 
 
-def check(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen, num_splits=None, tiles=None, tol=None):
+def decode_inputs(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen):
+    """(the decode op's positional arguments, W_UV as the model holds it: a slice of kv_b_proj's
+    weight viewed [H, nope + v, rank])."""
     kv_scale = 0.5 if kv_dtype == FP8 else 1.0
     cache, table = paged_cache(seq_lens, page_size, rank + rope, kv_dtype, gen, kv_scale)
     q_latent, q_rope = mla_inputs(len(seq_lens), heads, rank, rope, dtype, gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    # W_UV as the model holds it: a slice of kv_b_proj's weight viewed [H, nope + v, rank].
     kv_b = (torch.randn(heads, 8 + v_dim, rank, generator=gen) * rank**-0.5).to(DEVICE, dtype)
-    w_uv = kv_b[:, 8:]
-    want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, w_uv=w_uv)
+    return (q_latent, q_rope, cache, table, lens, 0.3, kv_scale), kv_b[:, 8:]
+
+
+def check(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen, num_splits=None, tiles=None, tol=None):
+    args, w_uv = decode_inputs(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen)
+    want = ref.mla_decode(*args, w_uv=w_uv)
     out = torch.full((len(seq_lens), heads, v_dim), float("nan"), dtype=dtype, device=DEVICE)
-    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, w_uv=w_uv, out=out,
-                     num_splits=num_splits, tiles=tiles)
+    got = mla_decode(*args, w_uv=w_uv, out=out, num_splits=num_splits, tiles=tiles)
     assert got.data_ptr() == out.data_ptr() and got.shape == want.shape == (len(seq_lens), heads, v_dim)
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < (tol or TOL[dtype])
@@ -45,16 +49,11 @@ def check(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen, n
 
 def check_output(seq_lens, heads, rank, v_dim, hidden, dtype, kv_dtype, gen, num_splits=None, tiles=None) -> bool:
     """o_proj's output against the reference; -> whether it came fused (a float32 one-slot part)."""
-    kv_scale = 0.5 if kv_dtype == FP8 else 1.0
     rope = 8 if rank < 64 else ROPE
-    cache, table = paged_cache(seq_lens, 16, rank + rope, kv_dtype, gen, kv_scale)
-    q_latent, q_rope = mla_inputs(len(seq_lens), heads, rank, rope, dtype, gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    w_uv = (torch.randn(heads, v_dim, rank, generator=gen) * rank**-0.5).to(DEVICE, dtype)
+    args, w_uv = decode_inputs(seq_lens, heads, rank, rope, v_dim, 16, dtype, kv_dtype, gen)
     w_o = (torch.randn(hidden, heads * v_dim, generator=gen) * (heads * v_dim) ** -0.5).to(DEVICE, dtype)
-    want = ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, w_uv=w_uv, w_o=w_o)
-    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, kv_scale, w_uv=w_uv, w_o=w_o,
-                     num_splits=num_splits, tiles=tiles)
+    want = ref.mla_decode(*args, w_uv=w_uv, w_o=w_o)
+    got = mla_decode(*args, w_uv=w_uv, w_o=w_o, num_splits=num_splits, tiles=tiles)
     fused = got.dim() == 3
     if fused:
         assert got.dtype == torch.float32 and got.shape == (len(seq_lens), 1, hidden)

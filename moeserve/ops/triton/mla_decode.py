@@ -454,12 +454,12 @@ def mla_decode(
         if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
             if w_o is not None and mla_reduce.fuses_output(batch, heads, w_uv.shape[1], w_o.shape[0], w_o.device):
                 summed = torch.empty(batch, 1, w_o.shape[0], dtype=torch.float32, device=q_latent.device)
-                return run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale,
-                                    tiles, num_splits, project=Projection(w_uv, summed, w_o))
-            project = Projection(w_uv, out)
+                project = Projection(w_uv, summed, w_o)
+            else:
+                project = Projection(w_uv, out)
     result = run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
                           num_splits, project=project)
-    if w_uv is None:
+    if w_uv is None or (project is not None and project.w_o is not None):
         return result
     if project is None:
         result = per_head_matmul(result, w_uv.transpose(1, 2), out)
