@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,16 +73,23 @@ def routed_expert_loads(model: DeepseekForCausalLM) -> Iterator[list[torch.Tenso
     """Collects, per MoE layer of the next eager forward(s), the tokens routed to each expert ([E])."""
     loads: list[torch.Tensor] = []
 
-    def hook(module, _inputs, output) -> None:
-        routed = output[1][:, : module.config.num_experts_per_tok]  # not the appended shared experts
-        loads.append(torch.bincount(routed.reshape(-1).long(), minlength=module.config.n_routed_experts))
+    routers = [m for m in model.model.modules() if isinstance(m, Router)]
 
-    handles = [m.register_forward_hook(hook) for m in model.model.modules() if isinstance(m, Router)]
+    def observer(router: Router) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def observe(_weights: torch.Tensor, ids: torch.Tensor) -> None:
+            routed = ids[:, : router.config.num_experts_per_tok]  # not the appended shared experts
+            loads.append(torch.bincount(routed.reshape(-1).long(), minlength=router.config.n_routed_experts))
+
+        return observe
+
+    observers = [(r, observer(r)) for r in routers]
+    for router, observe in observers:
+        router.observers.append(observe)
     try:
         yield loads
     finally:
-        for h in handles:
-            h.remove()
+        for router, observe in observers:
+            router.observers.remove(observe)
 
 
 @contextmanager

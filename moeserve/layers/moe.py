@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,14 @@ class Router(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
+        # Called with (weights, ids) of every routing this router's layer makes, wherever it ran
+        # (here, or inside the experts' kernel): e.g. bench.roofline's count of experts touched.
+        self.observers: list[Callable[[torch.Tensor, torch.Tensor], None]] = []
+
+    def report(self, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        """Hand one routing (fp32 weights, int32 ids [T, k + S]) to every observer."""
+        for observe in self.observers:
+            observe(weights, ids)
 
     def forward(
         self, x: torch.Tensor, num_shared: int = 0, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
@@ -100,14 +109,17 @@ class Router(nn.Module):
 
         Given `residual` and `norm`, x is not yet normalised: the residual add + norm run with the
         routing (one kernel on the GPU) -> (weights, ids, norm(x + residual), x + residual). One
-        entry point for both, so forward hooks (bench.roofline's expert count) see every routing.
+        entry point for both.
         """
         if norm is None:
-            return ops.select_experts(router_logits(x, self.weight), **self.rules(num_shared))
+            weights, ids = ops.select_experts(router_logits(x, self.weight), **self.rules(num_shared))
+            self.report(weights, ids)
+            return weights, ids
         assert residual is not None
         normed, summed, weights, ids = ops.add_norm_route(
             x, residual, norm.weight, norm.eps, self.weight, **self.rules(num_shared)
         )
+        self.report(weights, ids)
         return weights, ids, normed, summed
 
     def rules(self, num_shared: int) -> dict:
@@ -211,6 +223,8 @@ class MoE(nn.Module):
         """
         dual = self._dual_stream(x)
         shared = not dual and self._shared_in_kernels(x)
+        if then is not None and not dual and x.shape[0] <= NORM_ROUTE_MAX_TOKENS and (shared or not self.experts.num_shared):
+            return self._forward_through(x, residual, norm, then, shared)
         route = None
         if x.shape[0] > NORM_ROUTE_MAX_TOKENS:
             normed, residual = norm.add_and_norm(x, residual)
@@ -220,19 +234,27 @@ class MoE(nn.Module):
             parts, residual = self._dual_stream_forward(normed, residual, route)
         elif route is None:
             parts = self(normed, sum_slots=False)
-        elif then is not None and (shared or not self.experts.num_shared):
-            experts, (next_norm, proj) = self.experts, then
-            out, residual = ops.fused_moe_add_norm_linear(
-                normed, experts.w13_weight, experts.w2_weight, *route, residual, next_norm.weight, next_norm.eps,
-                proj.weight, proj.bias, fixed_tail=experts.num_shared if shared else 0,
-            )
-            return NextProjection(out), residual
         else:
             parts = self._experts(normed, *route, shared, sum_slots=False)
         if then is None:
             return parts, residual
         next_norm, proj = then
         out, residual = ops.add_norm_linear(parts, residual, next_norm.weight, next_norm.eps, proj.weight, proj.bias)
+        return NextProjection(out), residual
+
+    def _forward_through(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, then: tuple[RMSNorm, nn.Linear], shared: bool
+    ) -> tuple[NextProjection, torch.Tensor]:
+        """add_norm_forward with `then`, where the add + norm, routing, experts and the next layer's
+        add + norm + projection are one op (at one token on the GPU, one kernel)."""
+        experts, (next_norm, proj) = self.experts, then
+        num_shared = experts.num_shared if shared else 0
+        out, residual, weights, ids = ops.routed_moe_add_norm_linear(
+            x, residual, norm.weight, norm.eps, self.gate.weight, experts.w13_weight, experts.w2_weight,
+            next_norm.weight, next_norm.eps, proj.weight, proj.bias, fixed_tail=num_shared,
+            **self.gate.rules(num_shared),
+        )
+        self.gate.report(weights, ids)
         return NextProjection(out), residual
 
     def _dual_stream(self, x: torch.Tensor) -> bool:

@@ -52,6 +52,9 @@ varlen_attention = _dispatch("varlen_attention", _ref_attention.varlen_attention
 fused_moe = _dispatch("fused_moe", _ref_moe.fused_moe, "fused_moe")
 fused_moe_add_norm_linear = _dispatch("fused_moe_add_norm_linear", _ref_moe.fused_moe_add_norm_linear, "fused_moe")
 add_norm_route = _dispatch("add_norm_route", _ref_moe.add_norm_route, "norm_route")
+routed_moe_add_norm_linear = _dispatch(
+    "routed_moe_add_norm_linear", _ref_moe.routed_moe_add_norm_linear, "fused_moe"
+)
 select_experts = _dispatch("select_experts", _ref_moe.select_experts, "routing")
 rms_norm = _dispatch("rms_norm", _ref_norm.rms_norm, "norm")
 fused_add_rms_norm = _dispatch("fused_add_rms_norm", _ref_norm.fused_add_rms_norm, "norm")
@@ -79,6 +82,7 @@ __all__ = [
     "mla_extend_absorbed",
     "mla_rope_norm_store",
     "rms_norm",
+    "routed_moe_add_norm_linear",
     "select_experts",
     "silu_and_mul",
     "skinny_bmm",

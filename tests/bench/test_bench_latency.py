@@ -22,11 +22,12 @@ def test_decode_floor_step_decodes_every_request(v3_checkpoint, mixed):
     prompts = random_prompts(6, 12, core.model_config.vocab_size, 3)
     rows: list[int] = []
     router = next(m for m in core.runner.model.modules() if isinstance(m, Router))
-    handle = router.register_forward_hook(lambda _m, inputs, _out: rows.append(inputs[0].shape[0]))
+    observe = lambda _weights, ids: rows.append(ids.shape[0])  # noqa: E731
+    router.observers.append(observe)
     try:
         info = latency.decode_floor(core, prompts, read_gbs=100.0)
     finally:
-        handle.remove()
+        router.observers.remove(observe)
     assert rows[-1] == len(prompts)  # the last forward, the counted one, decoded every request
     layers = core.model_config.num_hidden_layers - core.model_config.first_k_dense_replace
     assert len(info["touched_experts_per_layer"]) == layers  # one counted forward

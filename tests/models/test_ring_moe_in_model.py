@@ -31,11 +31,9 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
-def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, monkeypatch):
-    from moeserve.ops.triton import fused_moe, moe_ring
-
+def one_decode(tmp_path):
+    """The V2-Lite-shaped model (dummy weights) with one request prefilled and its next token
+    scheduled -> (the model runner, the scheduled decode)."""
     (tmp_path / "config.json").write_text(json.dumps(V2_LITE))
     llm = LLM(str(tmp_path / "config.json"), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=512,
               disable_cuda_graph=True, disable_overlap_schedule=True, num_kv_pages=64)  # fmt: skip
@@ -45,7 +43,18 @@ def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, m
     item = ScheduledRequest(core.scheduler.running[0], 1)
     assert core.kv.allocate(item.request, item.start + 1)
     item.output_index = len(item.request.output_token_ids)
-    runner, kernel = core.runner, moe_ring.moe_ring
+    return core.runner, item
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, monkeypatch):
+    from moeserve.layers.moe import Router
+    from moeserve.ops.triton import fused_moe, moe_ring
+
+    monkeypatch.setattr(fused_moe, "RING_ENTRY", False)  # the entry kernel routes; see the next test
+    runner, item = one_decode(tmp_path)
+    kernel = moe_ring.moe_ring
     calls: list[tuple[torch.Tensor, float]] = []
 
     def checked(hidden, w13, w2, weights, ids, fixed_tail=0, then=None):
@@ -63,15 +72,9 @@ def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, m
         return out
 
     routes: list[list[int]] = []
-    route = ops.add_norm_route
-
-    def recorded(*args, **kwargs):
-        out = route(*args, **kwargs)
-        routes.append(sorted(out[3].flatten().tolist()))
-        return out
-
+    for router in (m for m in runner.model.modules() if isinstance(m, Router)):
+        router.observers.append(lambda _weights, ids: routes.append(sorted(ids.flatten().tolist())))
     monkeypatch.setattr(moe_ring, "moe_ring", checked)
-    monkeypatch.setattr(ops, "add_norm_route", recorded)
     logits = {}
     with torch.inference_mode():
         for ring in (0, 1):
@@ -89,3 +92,41 @@ def test_gpu_one_token_decode_with_the_ring_moe_matches_two_launches(tmp_path, m
     # its input; where it does not, the logits agree closely, and they stay near either way.
     error = rel_error(logits[1], logits[0])
     assert error < (1e-2 if routes[:2] == routes[2:] else 0.1), (error, routes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+def test_gpu_one_token_decode_with_the_entry_in_the_ring_matches_the_entry_kernel(tmp_path, monkeypatch):
+    """The MoE layers followed by a next layer (here the first) take their add + norm and routing
+    inside the ring when that is on; the routings the routers report and the logits agree with the
+    entry kernel's."""
+    from moeserve.layers.moe import Router
+    from moeserve.ops.triton import fused_moe, moe_ring
+
+    runner, item = one_decode(tmp_path)
+    kernel, entries = moe_ring.moe_ring, []
+
+    def recorded(*args, **kwargs):
+        entries.append(kwargs.get("entry", args[7] if len(args) > 7 else None) is not None)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(moe_ring, "moe_ring", recorded)
+    routers = [m for m in runner.model.modules() if isinstance(m, Router)]
+    routes: dict[bool, list[list[int]]] = {False: [], True: []}
+    logits = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            monkeypatch.setattr(fused_moe, "RING_ENTRY", on)
+            entries.clear()
+            observers = [lambda _w, ids, on=on: routes[on].append(sorted(ids.flatten().tolist())) for _ in routers]
+            for router, observe in zip(routers, observers, strict=True):
+                router.observers.append(observe)
+            batch = runner.prepare([item])
+            logits[on] = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, batch)).float()
+            for router, observe in zip(routers, observers, strict=True):
+                router.observers.remove(observe)
+            # The dense layer's MLP, then the first MoE layer (entry in the ring when on); the last has no next layer.
+            assert entries == [False, on, False]
+    assert len(routes[True]) == len(routes[False]) == 2 and routes[True][0] == routes[False][0]
+    error = rel_error(logits[True], logits[False])
+    assert error < (1e-2 if routes[True] == routes[False] else 0.1), (error, routes)

@@ -138,3 +138,28 @@ def add_norm_route(
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     weights, ids = select_experts(linear(normed, router_weight, out_dtype=torch.float32), **routing)
     return normed, summed, weights, ids
+
+
+def routed_moe_add_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    next_norm_weight: torch.Tensor,
+    next_eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fixed_tail: int = 0,
+    **routing,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer from its input through the next layer's first projection: `add_norm_route` of x
+    and residual, then `fused_moe_add_norm_linear` of its experts -> (projection, the next residual,
+    weights, ids); one kernel on the GPU at one token."""
+    normed, summed, weights, ids = add_norm_route(x, residual, norm_weight, eps, router_weight, **routing)
+    out, next_residual = fused_moe_add_norm_linear(
+        normed, w13, w2, weights, ids, summed, next_norm_weight, next_eps, weight, bias, fixed_tail
+    )
+    return out, next_residual, weights, ids

@@ -42,6 +42,7 @@ from moeserve.ops.triton.gemv import add_norm_linear
 from moeserve.ops.triton.moe_align import moe_align
 from moeserve.ops.triton.moe_config import Config, get_config, validate_config
 from moeserve.ops.triton.moe_tiles import block_rows, tile_ids, tile_matmul, tile_matmul_tma
+from moeserve.ops.triton.norm_route import add_norm_route
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 _MODE_IDS = {"gemv": 0, "swap": 1, "dot": 2}
@@ -54,6 +55,10 @@ RING_MAX_TOKENS = 1
 # (fused_moe_add_norm_linear): their weights stream through the ring while the MoE's last programs
 # finish, and a grid barrier replaces the kernel boundary.
 RING_TAIL = True
+# On the ring kernel with its tail, the MoE's entry (residual add + RMSNorm, router, expert
+# selection) runs in the ring's programs too (routed_moe_add_norm_linear, moe_ring_entry.py),
+# instead of a kernel of its own before it.
+RING_ENTRY = True
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_m"])
@@ -411,3 +416,41 @@ def fused_moe_add_norm_linear(
             return moe_ring.moe_ring(hidden.contiguous(), w13, w2, topk_weights, topk_ids, fixed_tail, then)
     parts = fused_moe(hidden, w13, w2, topk_weights, topk_ids, sum_slots=False, fixed_tail=fixed_tail)
     return add_norm_linear(parts, residual, norm_weight, eps, weight, bias)
+
+
+def routed_moe_add_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    next_norm_weight: torch.Tensor,
+    next_eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fixed_tail: int = 0,
+    **routing,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer from its input through the next layer's first projection; see the reference. At
+    one token on the ring kernel, one launch (`moe_ring`'s entry and tail)."""
+    if RING_ENTRY and RING_TAIL and x.shape[0] <= RING_MAX_TOKENS:
+        from moeserve.ops.triton import moe_ring  # Gluon: imported only where it may run
+
+        entry = moe_ring.Entry(residual, norm_weight, eps, router_weight, routing)
+        then = moe_ring.Tail(residual, next_norm_weight, next_eps, weight, bias)
+        width = routing["top_k"] + routing.get("num_shared", 0)
+        weights = torch.empty(1, width, dtype=torch.float32, device=x.device)
+        ids = torch.empty(1, width, dtype=torch.int32, device=x.device)
+        if (
+            fixed_tail == routing.get("num_shared", 0) and moe_ring.ring_usable(residual, w13, w2, ids)
+            and moe_ring.tail_usable(residual, w13, then) and moe_ring.entry_usable(x, w13, entry, sm_count(x.device))
+        ):
+            out, next_residual = moe_ring.moe_ring(x, w13, w2, weights, ids, fixed_tail, then, entry)
+            return out, next_residual, weights, ids
+    normed, summed, weights, ids = add_norm_route(x, residual, norm_weight, eps, router_weight, **routing)
+    out, next_residual = fused_moe_add_norm_linear(
+        normed, w13, w2, weights, ids, summed, next_norm_weight, next_eps, weight, bias, fixed_tail
+    )
+    return out, next_residual, weights, ids

@@ -23,8 +23,11 @@ router (PDL): they stream while the kernel before it still runs.
 The tail (`then`): the next layer's residual add + RMSNorm + first projection (fused_qkv_a) in the
 same launch. Each program's run of that projection's rows is its last piece, so those weights
 stream into the ring while the MoE's last programs finish; after the atomics a grid barrier
-replaces the kernel boundary, and every program normalises the summed row itself. The host side
-(tile sizes, dealing, what fits) is in moe_ring_plan.py.
+replaces the kernel boundary, and every program normalises the summed row itself.
+
+The entry (`entry`): the MoE's own residual add + RMSNorm, router and expert selection, done by the
+programs after their PDL wait instead of by a kernel before this one (moe_ring_entry.py). The
+host side (tile sizes, dealing, what fits) is in moe_ring_plan.py.
 """
 
 from __future__ import annotations
@@ -33,28 +36,36 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moeserve.ops.triton.device import sm_count
+from moeserve.ops.triton.moe_ring_entry import (
+    Entry,
+    entry_arguments,
+    entry_usable,
+    load_router_row,
+    route_in_ring,
+)
 from moeserve.ops.triton.moe_ring_plan import (
     COLS,
     GRAIN,
     HEAD,
     NARROW,
     NARROW_H,
-    SLICES,
     TAIL_SLOT,
     WIDE,
     WIDE_H,
     Tail,
     acc_rows,
+    descriptors,
     ring_slots,
     ring_usable,
+    table_and_sync,
     tail_items,
     tail_usable,
-    work_table,
     x_pad,
 )
+
+__all__ = ["Entry", "Tail", "entry_usable", "moe_ring", "ring_usable", "tail_usable"]
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 EARLY_ITEMS = 8  # items a program may issue before its PDL wait (the kernel before it still runs)
@@ -237,7 +248,7 @@ def _stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN: 
     c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
     ok = r < HIDDEN // _COLS
     part = gl.load(out_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
-    res = gl.load(res_ptr + r * _COLS + c, mask=ok, other=0.0)
+    res = gl.load(res_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # maybe this launch's sum
     x = (part.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype)
     if gl.program_id(0) == 0:
         gl.store(sum_ptr + r * _COLS + c, x, mask=ok)
@@ -317,15 +328,21 @@ def _moe_pieces(stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_coun
 @gluon.jit
 def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr, ids_ptr, out_ptr, table_ptr,
                      sync_ptr, res_ptr, gain_ptr, bias_ptr, proj_ptr, sum_ptr, eps,
+                     router_ptr, logits_ptr, cbias_ptr, entry_res_ptr, entry_gain_ptr, entry_sum_ptr, out_w_ptr,
+                     out_ids_ptr, entry_eps, scaling,
                      HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
                      WIDTH: gl.constexpr, SLOTS: gl.constexpr, EARLY: gl.constexpr, H_PAD: gl.constexpr,
                      ACC_ROWS: gl.constexpr, TAIL: gl.constexpr, TI: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     CHECK_EARLY: gl.constexpr):
+                     CHECK_EARLY: gl.constexpr, ENTRY: gl.constexpr, ROUTED: gl.constexpr, TOP_K: gl.constexpr,
+                     SIGMOID: gl.constexpr, HAS_CBIAS: gl.constexpr, NORMALISE: gl.constexpr, SCALE: gl.constexpr,
+                     K_PAD: gl.constexpr, E_PAD: gl.constexpr):
     """Program p: for each of its pieces, the gate/up units (act = weight * silu(gate) * up, kept in
     shared memory), then the piece's down columns times act, summed into the program's float32
     output row; at the end that row is added into out by atomics (program 0 zeroes out first).
     With TAIL, after a grid barrier, the next layer's add + norm of out and its rows of the next
-    projection (res, gain, tail_desc, bias -> sum, proj). sync: [programs out, out zeroed, programs done]."""
+    projection (res, gain, tail_desc, bias -> sum, proj). With ENTRY, x is the row before the MoE's
+    add + norm, which the programs do and route themselves (moe_ring_entry.py); weights and ids are
+    then per-program scratch rows. sync: [programs out, out zeroed, programs done, logits in]."""
     pid = gl.program_id(0)
     n = gl.num_programs(0)
     S: gl.constexpr = w13_desc.block_type.shape[1]
@@ -370,6 +387,8 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, zero, zero + EARLY - SLOTS, zero, zero,
                                  early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     acc_all.store(gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l))
+    if ENTRY:
+        w_row = load_router_row(router_ptr, ROUTED, HIDDEN, H_PAD, _COLS, flat)
     o_rows = gl.arange(0, ACC_ROWS, layout=gl.SliceLayout(1, out_l))[:, None]
     o_cols = gl.arange(0, _WIDE_H, layout=gl.SliceLayout(0, out_l))[None, :]
     wait_for_prior_grid(True)  # the shared PDL wait (always on: a no-op without a PDL launch)
@@ -379,12 +398,20 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
         gl.thread_barrier()
         gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
     consumed = zero
+    if ENTRY:  # the MoE's add + norm and routing first; the selection is then this program's scratch row
+        weights_ptr += pid * K_PAD
+        ids_ptr += pid * K_PAD
+        _stage_next_input(x_rows, x_ptr, entry_res_ptr, entry_gain_ptr, entry_sum_ptr, entry_eps, HIDDEN, H_PAD, flat)
+        route_in_ring(x_rows, w_row, logits_ptr, sync_ptr + 3, cbias_ptr, weights_ptr, ids_ptr, out_w_ptr,
+                      out_ids_ptr, scaling, ROUTED, TOP_K, SIGMOID, HAS_CBIAS, NORMALISE, SCALE, NSLOTS - TOP_K,
+                      K_PAD, E_PAD, flat)
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count, True,
                                  HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
-    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, flat))[:, None]
-    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, flat))[None, :]
-    x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
-    gl.thread_barrier()
+    if not ENTRY:  # the token, normalised by the kernel before (after the copies above are issued)
+        r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, flat))[:, None]
+        c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, flat))[None, :]
+        x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
+        gl.thread_barrier()
     stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
     issued, consumed, piece, item, zeroed = _moe_pieces(
         stream, x_smem, act, (act_n, act_w), (acc_n, acc), weights_ptr, sync_ptr, moe_count, issued, consumed, piece,
@@ -406,49 +433,16 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
         last = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
     for i in gl.static_range(SLOTS):
         mbarrier.invalidate(ready.index(i))
-    # The last program out resets the counters for the next launch.
+    # The last program out resets the counters for the next launch (every program is past its waits).
     if last:
+        gl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _table_and_sync(device: torch.device, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The work table of this shape and the device's counters (programs out, out zeroed, programs
-    done; each launch leaves them at zero), built on first use, which must not be inside a graph capture."""
-    key = (device, *shape)
-    if key not in _TABLES:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_ring's work table must be built before graph capture: run it once eagerly")
-        if device not in _SYNC:
-            _SYNC[device] = torch.zeros(3, dtype=torch.int32, device=device)
-        _TABLES[key] = work_table(*shape).to(device)
-    return _TABLES[key], _SYNC[device]
-
-
-def _descriptors(w13: torch.Tensor, w2: torch.Tensor, tail: torch.Tensor | None) -> tuple[TensorDescriptor, ...]:
-    """w13 [E, 2I, H] as [E * 2I, H / 64, 64] in [GRAIN, SLICES, 64] boxes; w2 [E, H, I] as
-    [E * H, I] in [WIDE_H, WIDE] and [NARROW_H, NARROW] boxes; the tail's weight [N, H] as w13
-    (w13 again without one)."""
-    gl_dtype = gl.bfloat16 if w13.dtype == torch.bfloat16 else gl.float16
-    descs = []
-    for w, box in ((w13, [GRAIN, SLICES, COLS]), (w2, [WIDE_H, WIDE]), (w2, [NARROW_H, NARROW]),
-                   (w13 if tail is None else tail[None], [GRAIN, SLICES, COLS])):
-        rows, width = w.shape[0] * w.shape[1], w.shape[2]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
-        if len(box) == 3:
-            descs.append(TensorDescriptor(w, [rows, width // COLS, COLS], [width, COLS, 1], box, layout))
-        else:
-            descs.append(TensorDescriptor(w, [rows, width], [width, 1], box, layout))
-    return tuple(descs)
-
-
 def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, fixed_tail: int = 0, then: Tail | None = None):
+             topk_ids: torch.Tensor, fixed_tail: int = 0, then: Tail | None = None, entry: Entry | None = None):
     """[1, 1, H] float32: one token's weighted sum over its k experts of down(silu(gate) * up).
 
     `fixed_tail`: the last `fixed_tail` of the token's ids are known to be experts E - fixed_tail
@@ -456,18 +450,26 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     The sum's order varies from launch to launch (float32 atomics), within float32 rounding.
     With `then` (see tail_usable): (norm(sum + residual) @ weight^T (+ bias) [1, N], sum + residual
     [1, H]), both in the weights' dtype, as `add_norm_linear` on the sum gives them.
+    With `entry` (and `then`; see entry_usable), `hidden` is the row before the MoE's add + norm
+    ([1, H], or a float32 [1, 1, H] part), which the kernel adds to entry.residual, normalises and
+    routes itself, writing the selection into topk_weights / topk_ids (float32 / int32 [1, k + S])
+    as `add_norm_route` gives it; the tail then adds to that sum, not to then.residual.
     """
     experts, two_inter, width = w13.shape
     inter, nslots = two_inter // 2, topk_ids.shape[1]
-    if not ring_usable(hidden, w13, w2, topk_ids):
-        raise ValueError("moe_ring wants one token and contiguous 16-bit weights whose widths it tiles")
-    if then is not None and not tail_usable(hidden, w13, then):
-        raise ValueError("moe_ring's tail wants a [1, H] residual and an [N, H] weight of the experts' dtype")
+    token = hidden if entry is None else entry.residual
     programs = sm_count(hidden.device)
+    if not ring_usable(token, w13, w2, topk_ids):
+        raise ValueError("moe_ring wants one token and contiguous 16-bit weights whose widths it tiles")
+    if then is not None and not tail_usable(token, w13, then):
+        raise ValueError("moe_ring's tail wants a [1, H] residual and an [N, H] weight of the experts' dtype")
+    route = entry_arguments(hidden, w13, topk_weights, topk_ids, then, entry, programs)
+    if entry is not None:
+        then = then._replace(residual=route["args"][5])
     tail_rows = 0 if then is None else then.weight.shape[0]
-    table, sync = _table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail, tail_rows)
+    table, sync = table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail, tail_rows)
     out = torch.empty(1, 1, width, dtype=torch.float32, device=hidden.device)
-    slots = ring_slots(width, hidden.element_size())
+    slots = ring_slots(width, token.element_size())
     if then is None:
         res = gain = bias = proj = summed = out
         eps = 0.0
@@ -475,12 +477,13 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         res, gain, eps, bias = then.residual, then.norm_weight.contiguous(), float(then.eps), then.bias
         proj = torch.empty(1, tail_rows, dtype=w13.dtype, device=hidden.device)
         summed = torch.empty(1, width, dtype=w13.dtype, device=hidden.device)
+    selection = route.pop("selection", (topk_weights.reshape(-1).float(), topk_ids.reshape(-1)))
     _moe_ring_kernel[(programs,)](
-        hidden, *_descriptors(w13, w2, None if then is None else then.weight), topk_weights.reshape(-1).float(),
-        topk_ids.reshape(-1), out, table, sync, res, gain, bias if bias is not None else out, proj, summed, eps,
+        hidden, *descriptors(w13, w2, None if then is None else then.weight), *selection, out, table, sync, res, gain,
+        bias if bias is not None else out, proj, summed, eps, *route.pop("args"),
         HIDDEN=width, INTER=inter, NSLOTS=nslots, EXPERTS=experts, WIDTH=table.shape[1], SLOTS=slots,
         EARLY=min(EARLY_ITEMS, slots), H_PAD=x_pad(width), ACC_ROWS=acc_rows(width), TAIL=then is not None,
-        TI=tail_items(width), HAS_BIAS=bias is not None, CHECK_EARLY=CHECK_EARLY and then is not None, num_warps=WARPS,
-        launch_pdl=bool(pdl_launch(hidden).get("launch_pdl")),
+        TI=tail_items(width), HAS_BIAS=bias is not None, CHECK_EARLY=CHECK_EARLY and then is not None, **route,
+        num_warps=WARPS, launch_pdl=bool(pdl_launch(hidden).get("launch_pdl")),
     )
     return out if then is None else (proj, summed)

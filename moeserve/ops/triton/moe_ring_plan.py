@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moeserve.ops.triton.device import sm_count
 
@@ -177,3 +179,37 @@ def tail_usable(hidden: torch.Tensor, w13: torch.Tensor, tail: Tail) -> bool:
         and tail.norm_weight.shape == (width,) and (tail.bias is None or tail.bias.shape == (rows,))
         and tail_fits(width, rows, sm_count(hidden.device))
     )
+
+
+def descriptors(w13: torch.Tensor, w2: torch.Tensor, tail: torch.Tensor | None) -> tuple[TensorDescriptor, ...]:
+    """w13 [E, 2I, H] as [E * 2I, H / 64, 64] in [GRAIN, SLICES, 64] boxes; w2 [E, H, I] as
+    [E * H, I] in [WIDE_H, WIDE] and [NARROW_H, NARROW] boxes; the tail's weight [N, H] as w13
+    (w13 again without one)."""
+    gl_dtype = gl.bfloat16 if w13.dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for w, box in ((w13, [GRAIN, SLICES, COLS]), (w2, [WIDE_H, WIDE]), (w2, [NARROW_H, NARROW]),
+                   (w13 if tail is None else tail[None], [GRAIN, SLICES, COLS])):
+        rows, width = w.shape[0] * w.shape[1], w.shape[2]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+        if len(box) == 3:
+            descs.append(TensorDescriptor(w, [rows, width // COLS, COLS], [width, COLS, 1], box, layout))
+        else:
+            descs.append(TensorDescriptor(w, [rows, width], [width, 1], box, layout))
+    return tuple(descs)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+_SYNC: dict[torch.device, torch.Tensor] = {}
+
+
+def table_and_sync(device: torch.device, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The work table of this shape and the device's counters (programs out, out zeroed, programs
+    done, logits in; each launch leaves them at zero), built on first use, which must not be inside a graph capture."""
+    key = (device, *shape)
+    if key not in _TABLES:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_ring's work table must be built before graph capture: run it once eagerly")
+        if device not in _SYNC:
+            _SYNC[device] = torch.zeros(4, dtype=torch.int32, device=device)
+        _TABLES[key] = work_table(*shape).to(device)
+    return _TABLES[key], _SYNC[device]
