@@ -326,6 +326,32 @@ def _moe_pieces(stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_coun
 
 
 @gluon.jit
+def _shared_buffers(w13_desc, w2w_desc, w2n_desc, SLOTS: gl.constexpr, H_PAD: gl.constexpr, ACC_ROWS: gl.constexpr):
+    """The kernel's shared memory: the ring (as gate/up, wide and narrow down boxes) and its ready
+    barriers, the staged token (as rows and as S-row boxes), the float32 output row (narrow and wide
+    views, and whole) and the piece's activations (by GRAIN rows, and narrow and wide views)."""
+    S: gl.constexpr = w13_desc.block_type.shape[1]
+    dtype: gl.constexpr = w13_desc.dtype
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    rows_of: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # for buffers indexed by row
+    ring = gl.allocate_shared_memory(dtype, [2 * SLOTS, _GRAIN, S, _COLS], w13_desc.layout)
+    ring_w = ring._reinterpret(dtype, [2 * SLOTS, _WIDE_H, w2w_desc.block_type.shape[1]], w2w_desc.layout)
+    ring_n = ring._reinterpret(dtype, [2 * SLOTS, _NARROW_H, _NARROW], w2n_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+    x_rows = gl.allocate_shared_memory(dtype, [H_PAD, _COLS], plain)
+    x_smem = x_rows._reinterpret(dtype, [H_PAD // S, S, _COLS], plain)  # S rows at a time, as a box needs
+    acc = gl.allocate_shared_memory(gl.float32, [ACC_ROWS, _WIDE_H], rows_of)  # the output row (padded)
+    acc_n = acc._reinterpret(gl.float32, [ACC_ROWS // 2, _NARROW_H], rows_of)
+    acc_all = acc._reinterpret(gl.float32, [ACC_ROWS, _WIDE_H], plain)
+    act = gl.allocate_shared_memory(gl.float32, [_WIDE // _GRAIN, _GRAIN], rows_of)  # the piece's, GRAIN at a time
+    act_w = act._reinterpret(gl.float32, [1, _WIDE], rows_of)
+    act_n = act._reinterpret(gl.float32, [_WIDE // _NARROW, _NARROW], rows_of)
+    return (ring, ring_w, ring_n), ready, x_rows, x_smem, (acc_n, acc), acc_all, act, (act_n, act_w)
+
+
+@gluon.jit
 def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr, ids_ptr, out_ptr, table_ptr,
                      sync_ptr, res_ptr, gain_ptr, bias_ptr, proj_ptr, sum_ptr, eps,
                      router_ptr, logits_ptr, cbias_ptr, entry_res_ptr, entry_gain_ptr, entry_sum_ptr, out_w_ptr,
@@ -356,26 +382,9 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     flat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [nw, 1], [1, 0])
     tail_l: gl.constexpr = gl.BlockedLayout([1, 4, 8], [1, 4, 8], [nw, 1, 1], [2, 1, 0])  # a warp a row
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    rows_of: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # for buffers indexed by row
-    dtype: gl.constexpr = w13_desc.dtype
-
-    ring = gl.allocate_shared_memory(dtype, [2 * SLOTS, _GRAIN, S, _COLS], w13_desc.layout)
-    ring_w = ring._reinterpret(dtype, [2 * SLOTS, _WIDE_H, w2w_desc.block_type.shape[1]], w2w_desc.layout)
-    ring_n = ring._reinterpret(dtype, [2 * SLOTS, _NARROW_H, _NARROW], w2n_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    x_rows = gl.allocate_shared_memory(dtype, [H_PAD, _COLS], plain)
-    x_smem = x_rows._reinterpret(dtype, [H_PAD // S, S, _COLS], plain)  # S rows at a time, as a box needs
-    acc = gl.allocate_shared_memory(gl.float32, [ACC_ROWS, _WIDE_H], rows_of)  # the output row (padded)
-    acc_n = acc._reinterpret(gl.float32, [ACC_ROWS // 2, _NARROW_H], rows_of)
-    acc_all = acc._reinterpret(gl.float32, [ACC_ROWS, _WIDE_H], plain)
-    act = gl.allocate_shared_memory(gl.float32, [_WIDE // _GRAIN, _GRAIN], rows_of)  # the piece's, GRAIN at a time
-    act_w = act._reinterpret(gl.float32, [1, _WIDE], rows_of)
-    act_n = act._reinterpret(gl.float32, [_WIDE // _NARROW, _NARROW], rows_of)
-    for i in gl.static_range(SLOTS):
-        mbarrier.init(ready.index(i), count=1)
+    rings, ready, x_rows, x_smem, accs, acc_all, act, acts = _shared_buffers(w13_desc, w2w_desc, w2n_desc, SLOTS,
+                                                                             H_PAD, ACC_ROWS)
     descs = (w13_desc, w2w_desc, w2n_desc, tail_desc)
-    rings = (ring, ring_w, ring_n)
     head = table_ptr + pid * WIDTH
     pieces_ptr = head + _HEAD
     early = gl.load(head)
@@ -414,7 +423,7 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
         gl.thread_barrier()
     stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
     issued, consumed, piece, item, zeroed = _moe_pieces(
-        stream, x_smem, act, (act_n, act_w), (acc_n, acc), weights_ptr, sync_ptr, moe_count, issued, consumed, piece,
+        stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_count, issued, consumed, piece,
         item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI, CHECK_EARLY, up_l, narrow_l, wide_l,
     )
     while zeroed < 1:  # out is zeroed
