@@ -57,12 +57,9 @@ def entry_set(fn, on: bool):
     """`fn` called with the ring's entry on or off (off: the entry kernel, then the ring)."""
 
     def call(*args, **kwargs):
-        saved = fused_moe_module.RING_ENTRY
-        fused_moe_module.RING_ENTRY = on
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused_moe_module, "RING_ENTRY", on)
             return fn(*args, **kwargs)
-        finally:
-            fused_moe_module.RING_ENTRY = saved
 
     return call
 

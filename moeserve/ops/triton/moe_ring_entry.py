@@ -10,6 +10,11 @@ before the wait), and after a counter says all E logits are stored, every progra
 selects the experts itself. Meanwhile the shared experts' copies, issued before the wait, keep
 HBM busy. Program 0 also stores the selection, as `add_norm_route` returns it.
 
+What it gains is small (H200 b1 decode replay -0.2 to -0.3%, where skipping the entry outright
+gains 4%): the entry's round trips remain, now inside the ring ahead of its routed copies, and the
+selection is kept cheap only by giving each warp its own copy of the logits and taking a pick as
+one int64 max (docs/performance.md has the forms that were slower).
+
 Only plain top-k routing (softmax or sigmoid scores, an optional correction bias, no expert
 groups) with at most one expert per program; other models keep the entry kernel.
 """
