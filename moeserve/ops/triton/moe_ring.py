@@ -64,9 +64,9 @@ from moeserve.ops.triton.moe_ring_plan import (
     tail_usable,
     x_pad,
 )
+from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 __all__ = ["Entry", "Tail", "entry_usable", "moe_ring", "ring_usable", "tail_usable"]
-from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 EARLY_ITEMS = 8  # items a program may issue before its PDL wait (the kernel before it still runs)
 WARPS = 8
@@ -473,8 +473,8 @@ def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if then is not None and not tail_usable(token, w13, then):
         raise ValueError("moe_ring's tail wants a [1, H] residual and an [N, H] weight of the experts' dtype")
     route = entry_arguments(hidden, w13, topk_weights, topk_ids, then, entry, programs)
-    if entry is not None:
-        then = then._replace(residual=route["args"][5])
+    if entry is not None:  # the tail adds to the entry's sum
+        then = then._replace(residual=route.pop("entry_sum"))
     tail_rows = 0 if then is None else then.weight.shape[0]
     table, sync = table_and_sync(hidden.device, programs, width, inter, nslots, fixed_tail, tail_rows)
     out = torch.empty(1, 1, width, dtype=torch.float32, device=hidden.device)

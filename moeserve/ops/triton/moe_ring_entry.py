@@ -28,6 +28,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from moeserve.ops.triton.moe_ring_plan import Tail
 from moeserve.ops.triton.routing import selection_constants
 
 
@@ -181,10 +182,11 @@ _NO_ENTRY = dict(ENTRY=False, ROUTED=1, TOP_K=1, SIGMOID=False, HAS_CBIAS=False,
 
 
 def entry_arguments(hidden: torch.Tensor, w13: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     then: object, entry: Entry | None, programs: int) -> dict:
+                     then: Tail | None, entry: Entry | None, programs: int) -> dict:
     """The kernel's entry arguments: `args` (router, logits, correction bias, residual, gain, sum,
     weights and ids out, eps, scaling), the constexprs, and with an entry the per-program
-    `selection` scratch rows that stand in for the weights and ids."""
+    `selection` scratch rows that stand in for the weights and ids, and `entry_sum` (the sum the
+    kernel writes, which its tail then reads as the residual)."""
     if entry is None:
         placeholders = (hidden,) * 8
         return dict(args=(*placeholders, 0.0, 1.0), **_NO_ENTRY)
@@ -199,12 +201,13 @@ def entry_arguments(hidden: torch.Tensor, w13: torch.Tensor, topk_weights: torch
     ):
         raise ValueError("moe_ring's entry writes its selection into contiguous float32 / int32 [1, k + S] tensors")
     bias = entry.routing["correction_bias"]
+    entry_sum = torch.empty_like(entry.residual)
     args = (
         entry.router_weight, torch.empty(constants["E_PAD"], dtype=torch.float32, device=device),
         bias.float().contiguous() if bias is not None else topk_weights, entry.residual,
-        entry.norm_weight.contiguous(), torch.empty_like(entry.residual), topk_weights, topk_ids, float(entry.eps),
+        entry.norm_weight.contiguous(), entry_sum, topk_weights, topk_ids, float(entry.eps),
         float(entry.routing["routed_scaling_factor"]),
     )
     selection = (torch.empty(programs, k_pad, dtype=torch.float32, device=device),
                  torch.empty(programs, k_pad, dtype=torch.int32, device=device))
-    return dict(args=args, selection=selection, ENTRY=True, **constants)
+    return dict(args=args, selection=selection, entry_sum=entry_sum, ENTRY=True, **constants)
