@@ -250,6 +250,32 @@ def test_config_buckets_defaults_and_files(tmp_path, monkeypatch):
     moe_config.load_configs.cache_clear()
 
 
+def test_a_gpu_without_its_own_file_takes_one_of_its_architecture(tmp_path, monkeypatch):
+    def write(device: str, capability: list[int], config: dict) -> None:
+        tuned = {"_meta": {"device": device, "capability": capability}, "64": config}
+        (tmp_path / moe_config.config_file_name(8, 24, 40, device, torch.bfloat16)).write_text(json.dumps(tuned))
+
+    write("GPU_A", [9, 0], CONFIGS["sorted-dot"])
+    write("GPU_B", [8, 0], CONFIGS["dense-gemv"])
+    monkeypatch.setenv(moe_config.CONFIG_DIR_ENV, str(tmp_path))
+    moe_config.load_configs.cache_clear()
+    try:
+        assert moe_config.load_configs(8, 24, 40, "GPU_A", torch.bfloat16) == {64: CONFIGS["sorted-dot"]}
+        assert moe_config.load_configs(8, 24, 40, "GPU_C", torch.bfloat16, (9, 0)) == {64: CONFIGS["sorted-dot"]}
+        assert moe_config.load_configs(8, 24, 40, "GPU_C", torch.bfloat16, (8, 0)) == {64: CONFIGS["dense-gemv"]}
+        assert moe_config.load_configs(8, 24, 40, "GPU_C", torch.bfloat16, (10, 0)) is None
+        assert moe_config.load_configs(8, 24, 40, "GPU_C", torch.bfloat16) is None  # no capability: no guess
+        assert moe_config.load_configs(8, 24, 40, "GPU_C", torch.float16, (9, 0)) is None  # another dtype's file
+    finally:
+        moe_config.load_configs.cache_clear()
+
+
+def test_every_shipped_file_names_its_gpu_and_architecture():
+    for path in moe_config.CONFIG_DIR.glob("*.json"):
+        meta = json.loads(path.read_text())["_meta"]
+        assert f"device={meta['device']}," in path.name and len(meta["capability"]) == 2, path.name
+
+
 def test_tuner_writes_a_loadable_file(tmp_path):
     from moeserve.ops.triton import tune_moe
 
@@ -333,8 +359,8 @@ def shipped_configs() -> list:
     out = []
     for path in sorted(moe_config.CONFIG_DIR.glob("E=6[46],I=1408,H=2048,*.json")):
         raw = json.loads(path.read_text())
-        file = path.name.split(",")[0]
-        out += [pytest.param(file, int(k), v, id=f"{file}-{k}") for k, v in raw.items() if k != "_meta"]
+        file, gpu = path.name.split(",")[0], raw["_meta"]["device"]
+        out += [pytest.param(file, int(k), v, id=f"{file}-{gpu}-{k}") for k, v in raw.items() if k != "_meta"]
     return out
 
 

@@ -3,7 +3,10 @@
 A config covers one call: how tokens are grouped (`DENSE`, `MODE`, `BLOCK_M`) and the tile shape
 of each of the two GEMMs (`up`: gate/up with SiLU-and-mul, `down`). Files are written by
 `python -m moeserve.ops.triton.tune_moe` and map a token count (the bucket) to a config; a call
-uses the bucket nearest its token count.
+uses the bucket nearest its token count. A GPU with no file of its own takes one tuned on another
+GPU of its architecture (an H800 or H20 runs the H100's or H200's tiles): the tiles fit the same
+shared memory and use the same instructions, and even tuned for another chip they beat the
+defaults, which use neither TMA nor the wide prompt-size tiles.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     return torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability ((9, 0) on Hopper); None for the interpreter."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 def config_file_name(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype) -> str:
@@ -116,17 +124,34 @@ def validate_config(config: Config, tokens: int) -> str | None:
     return None
 
 
+def _read(path: Path) -> tuple[dict[int, Config], dict]:
+    raw = json.loads(path.read_text())
+    return {int(k): v for k, v in raw.items() if not k.startswith("_")}, raw.get("_meta", {})
+
+
 @functools.lru_cache(maxsize=64)
-def load_configs(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype) -> dict[int, Config] | None:
-    """{bucket token count: config} from the first matching JSON file, or None."""
+def load_configs(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype,
+                 capability: tuple[int, int] | None = None) -> dict[int, Config] | None:
+    """{bucket token count: config} from the first file for this GPU; else, given the GPU's
+    `capability`, from the first file tuned on another GPU of that capability; else None."""
     name = config_file_name(experts, inter, hidden, device, dtype)
     dirs = [Path(os.environ[CONFIG_DIR_ENV])] if os.environ.get(CONFIG_DIR_ENV) else []
-    for folder in [*dirs, CONFIG_DIR]:
+    folders = [*dirs, CONFIG_DIR]
+    for folder in folders:
         path = folder / name
         if path.is_file():
-            raw = json.loads(path.read_text())
             logger.info("fused MoE configs from %s", path)
-            return {int(k): v for k, v in raw.items() if not k.startswith("_")}
+            return _read(path)[0]
+    if capability is None:
+        return None
+    pattern = config_file_name(experts, inter, hidden, "*", dtype)
+    for folder in folders:
+        for path in sorted(folder.glob(pattern)):
+            configs, meta = _read(path)
+            if tuple(meta.get("capability") or ()) == tuple(capability):
+                logger.info("no fused MoE configs tuned on %s: using %s (tuned on %s, the same architecture)",
+                            device, path, meta.get("device"))
+                return configs
     return None
 
 
@@ -143,20 +168,24 @@ def pick_config(
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype, tokens: int, topk: int) -> Config:
-    return pick_config(load_configs(experts, inter, hidden, device, dtype), tokens, experts, topk, dtype)
+def _cached_config(experts: int, inter: int, hidden: int, device: tuple, dtype: torch.dtype, tokens: int,
+                   topk: int) -> Config:
+    name, capability = device
+    return pick_config(load_configs(experts, inter, hidden, name, dtype, capability), tokens, experts, topk, dtype)
 
 
 @functools.lru_cache(maxsize=16)
-def _device_name_cached(device: torch.device) -> str:
-    return device_name(device)
+def _device_cached(device: torch.device) -> tuple[str, tuple[int, int] | None]:
+    """(file-name GPU name, compute capability)."""
+    return device_name(device), device_capability(device)
 
 
 def config_change_points(
-    experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype, topk: int, lo: int, hi: int
+    experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype, topk: int, lo: int, hi: int,
+    capability: tuple[int, int] | None = None,
 ) -> list[int]:
     """The first token count in lo..hi of each distinct config: running those reaches every kernel variant."""
-    configs = load_configs(experts, inter, hidden, device, dtype)
+    configs = load_configs(experts, inter, hidden, device, dtype, capability)
     seen: set[str] = set()
     points = []
     for tokens in range(lo, hi + 1):
@@ -170,12 +199,12 @@ def config_change_points(
 def warm_up_sizes(w13: torch.Tensor, topk: int, lo: int, hi: int) -> list[int]:
     """config_change_points for the fused MoE over these stacked weights."""
     experts, two_inter, hidden_size = w13.shape
-    device = _device_name_cached(w13.device)
-    return config_change_points(experts, two_inter // 2, hidden_size, device, w13.dtype, topk, lo, hi)
+    name, capability = _device_cached(w13.device)
+    return config_change_points(experts, two_inter // 2, hidden_size, name, w13.dtype, topk, lo, hi, capability)
 
 
 def get_config(hidden: torch.Tensor, w13: torch.Tensor, topk: int) -> Config:
     """The config for one fused MoE call, from its inputs' shapes, dtype and device."""
     experts, two_inter, hidden_size = w13.shape
-    device = _device_name_cached(hidden.device)
-    return _cached_config(experts, two_inter // 2, hidden_size, device, hidden.dtype, hidden.shape[0], topk)
+    return _cached_config(experts, two_inter // 2, hidden_size, _device_cached(hidden.device), hidden.dtype,
+                          hidden.shape[0], topk)

@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 
 from moeserve.ops.triton.fused_moe import RoutePlan, moe_down, moe_topk_sum, moe_up, plan_route
-from moeserve.ops.triton.moe_config import CONFIG_DIR, Config, config_file_name, device_name, validate_config
+from moeserve.ops.triton.moe_config import (
+    CONFIG_DIR,
+    Config,
+    config_file_name,
+    device_capability,
+    device_name,
+    validate_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +283,8 @@ def tune(experts: int, hidden: int, inter: int, topk: int, batch_sizes: list[int
               f"dense={config['DENSE']!s:5s} up={best['up_us']:.1f} down={best['down_us']:.1f} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     meta = {"experts": experts, "shared": shared, "hidden": hidden, "inter": inter, "topk": topk, "dtype": str(dtype),
-            "device": device_name(torch.device(device)), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "device": device_name(torch.device(device)), "capability": device_capability(torch.device(device)),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "timings": timings}
     return {"_meta": meta, **result}
 
