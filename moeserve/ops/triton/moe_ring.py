@@ -44,6 +44,7 @@ from moeserve.ops.triton.moe_ring_entry import (
     entry_usable,
     load_router_row,
     route_in_ring,
+    stage_next_input,
 )
 from moeserve.ops.triton.moe_ring_plan import (
     COLS,
@@ -240,27 +241,6 @@ def _grid_barrier(sync_ptr):
 
 
 @gluon.jit
-def _stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN: gl.constexpr,
-                      H_PAD: gl.constexpr, layout: gl.constexpr):
-    """x_rows <- rms_norm(out + residual) * gain, rounded as the add + norm kernels round (the sum
-    to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual)."""
-    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
-    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    ok = r < HIDDEN // _COLS
-    part = gl.load(out_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
-    res = gl.load(res_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # maybe this launch's sum
-    x = (part.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype)
-    if gl.program_id(0) == 0:
-        gl.store(sum_ptr + r * _COLS + c, x, mask=ok)
-    xf = x.to(gl.float32)
-    mean_sq = gl.sum(gl.sum(xf * xf, axis=1), axis=0) / HIDDEN
-    normed = (xf * gl.rsqrt(mean_sq + eps)).to(res.dtype).to(gl.float32)
-    gain = gl.load(gain_ptr + r * _COLS + c, mask=ok, other=0.0).to(gl.float32)
-    x_rows.store((normed * gain).to(res.dtype))
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, HIDDEN: gl.constexpr,
           INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
           UPH: gl.constexpr, TI: gl.constexpr, HAS_BIAS: gl.constexpr, layout: gl.constexpr):
@@ -323,6 +303,29 @@ def _moe_pieces(stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_coun
             if p == 0:
                 zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
     return issued, consumed, piece, item, zeroed
+
+
+@gluon.jit
+def _add_into_output(out_ptr, acc_all, sync_ptr, zeroed, o_rows, o_cols, HIDDEN: gl.constexpr, out_l: gl.constexpr):
+    """Once out is seen zeroed (program 0 raises sync[1]), the program's float32 output row is added
+    into it by atomics."""
+    while zeroed < 1:
+        zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    gl.atomic_add(out_ptr + o_rows * _WIDE_H + o_cols, acc_all.load(out_l), mask=o_rows < HIDDEN // _WIDE_H,
+                  sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _release(ready, sync_ptr, last, SLOTS: gl.constexpr):
+    """The ring's barriers invalidated; the last program out (`last`) resets the counters for the
+    next launch, since every program is past its waits."""
+    for i in gl.static_range(SLOTS):
+        mbarrier.invalidate(ready.index(i))
+    if last:
+        gl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -410,7 +413,7 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     if ENTRY:  # the MoE's add + norm and routing first; the selection is then this program's scratch row
         weights_ptr += pid * K_PAD
         ids_ptr += pid * K_PAD
-        _stage_next_input(x_rows, x_ptr, entry_res_ptr, entry_gain_ptr, entry_sum_ptr, entry_eps, HIDDEN, H_PAD, flat)
+        stage_next_input(x_rows, x_ptr, entry_res_ptr, entry_gain_ptr, entry_sum_ptr, entry_eps, HIDDEN, H_PAD, flat)
         route_in_ring(x_rows, w_row, logits_ptr, sync_ptr + 3, cbias_ptr, weights_ptr, ids_ptr, out_w_ptr,
                       out_ids_ptr, scaling, ROUTED, TOP_K, SIGMOID, HAS_CBIAS, NORMALISE, SCALE, NSLOTS - TOP_K,
                       K_PAD, E_PAD, flat)
@@ -426,28 +429,18 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
         stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_count, issued, consumed, piece,
         item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI, CHECK_EARLY, up_l, narrow_l, wide_l,
     )
-    while zeroed < 1:  # out is zeroed
-        zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-    gl.atomic_add(out_ptr + o_rows * _WIDE_H + o_cols, acc_all.load(out_l), mask=o_rows < HIDDEN // _WIDE_H,
-                  sem="relaxed", scope="gpu")
+    _add_into_output(out_ptr, acc_all, sync_ptr, zeroed, o_rows, o_cols, HIDDEN, out_l)
     if TAIL:
         _grid_barrier(sync_ptr)
         # Past the barrier, so the counters may be reset once every program is: the last one to
         # count itself does it, at the end (the count's round trip overlaps the tail's work).
         last = gl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == n - 1
-        _stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN, H_PAD, flat)
+        stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN, H_PAD, flat)
         _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, HIDDEN, INTER, NSLOTS,
               EXPERTS, SLOTS, UPH, TI, HAS_BIAS, tail_l)
     else:
         last = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-    for i in gl.static_range(SLOTS):
-        mbarrier.invalidate(ready.index(i))
-    # The last program out resets the counters for the next launch (every program is past its waits).
-    if last:
-        gl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+    _release(ready, sync_ptr, last, SLOTS)
 
 
 def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -16,7 +16,8 @@ selection is kept cheap only by giving each warp its own copy of the logits and 
 one int64 max (docs/performance.md has the forms that were slower).
 
 Only plain top-k routing (softmax or sigmoid scores, an optional correction bias, no expert
-groups) with at most one expert per program; other models keep the entry kernel.
+groups) with at most one expert per program; other models keep the entry kernel. The add + RMSNorm
+into the staged row (`stage_next_input`) lives here too: the ring's tail runs it for the next layer.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moeserve.ops.triton.moe_ring_plan import Tail
+from moeserve.ops.triton.moe_ring_plan import COLS, Tail
 from moeserve.ops.triton.routing import selection_constants
+
+_COLS = gl.constexpr(COLS)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,27 @@ def entry_usable(x: torch.Tensor, w13: torch.Tensor, entry: Entry, programs: int
         and entry.residual.is_contiguous() and entry.norm_weight.shape == (width,)
         and experts + rules.get("num_shared", 0) == w13.shape[0]
     )
+
+
+@gluon.jit
+def stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN: gl.constexpr,
+                      H_PAD: gl.constexpr, layout: gl.constexpr):
+    """x_rows <- rms_norm(out + residual) * gain, rounded as the add + norm kernels round (the sum
+    to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual)."""
+    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    ok = r < HIDDEN // _COLS
+    part = gl.load(out_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
+    res = gl.load(res_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # maybe this launch's sum
+    x = (part.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype)
+    if gl.program_id(0) == 0:
+        gl.store(sum_ptr + r * _COLS + c, x, mask=ok)
+    xf = x.to(gl.float32)
+    mean_sq = gl.sum(gl.sum(xf * xf, axis=1), axis=0) / HIDDEN
+    normed = (xf * gl.rsqrt(mean_sq + eps)).to(res.dtype).to(gl.float32)
+    gain = gl.load(gain_ptr + r * _COLS + c, mask=ok, other=0.0).to(gl.float32)
+    x_rows.store((normed * gain).to(res.dtype))
+    gl.thread_barrier()
 
 
 @gluon.jit
