@@ -131,6 +131,18 @@ def _mla_reduce_kernel(
     tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_c < LATENT)
 
 
+@triton.jit
+def _merged_values(part_o_ptr, part_lse_ptr, w, seq_len, row, head, num_heads, num_splits, offs_c,
+                   DTYPE: tl.constexpr, LATENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """float32 values [BLOCK_V] of (row, head): its splits merged, rounded to DTYPE as the merged
+    latent is when the projection runs apart, times its W_UV rows `w`."""
+    n_valid = tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
+    o = _merge(part_o_ptr, part_lse_ptr, (row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
+    o = o.to(DTYPE).to(tl.float32)
+    return tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_project_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, w_ptr, out_ptr, stride_wh, stride_wv, stride_ot, stride_oh,
@@ -150,12 +162,9 @@ def _reduce_project_kernel(
     # Written by the step's input unpacking, many kernels back: readable before the wait (pdl.py).
     seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")
     wait_for_prior_grid(PDL, EARLY_LAUNCH)
-    n_valid = tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
     row = b.to(tl.int64)
-    o = _merge(part_o_ptr, part_lse_ptr, (row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
-    # Rounded to the output dtype first, as the merged latent is when the projection runs apart.
-    o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
-    v = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+    v = _merged_values(part_o_ptr, part_lse_ptr, w, seq_len, row, head, num_heads, num_splits, offs_c,
+                       out_ptr.dtype.element_ty, LATENT, BLOCK_N, BLOCK_S, BLOCK_C)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_v, v.to(out_ptr.dtype.element_ty), mask=offs_v < V_DIM)
 
 
@@ -180,12 +189,11 @@ def _reduce_project_output_kernel(
                   mask=(rows[:, None] < HIDDEN) & v_ok[None, :], other=0.0)
     seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")  # the step's input (pdl.py)
     wait_for_prior_grid(PDL)
-    n_valid = tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
     row = b.to(tl.int64)
-    o = _merge(part_o_ptr, part_lse_ptr, (row * num_heads + head) * num_splits, n_valid, offs_c, LATENT, BLOCK_S, BLOCK_C)
-    # Rounded as the separate kernels round: the merged latent, then the values before o_proj.
-    o = o.to(w_ptr.dtype.element_ty).to(tl.float32)
-    v = tl.sum(w.to(tl.float32) * o[None, :], axis=1).to(w_ptr.dtype.element_ty).to(tl.float32)
+    v = _merged_values(part_o_ptr, part_lse_ptr, w, seq_len, row, head, num_heads, num_splits, offs_c,
+                       w_ptr.dtype.element_ty, LATENT, BLOCK_N, BLOCK_S, BLOCK_C)
+    # Rounded as the separate kernels round the values before o_proj.
+    v = v.to(w_ptr.dtype.element_ty).to(tl.float32)
     y = tl.sum(w_o.to(tl.float32) * v[None, :], axis=1)
     tl.atomic_add(out_ptr + row * HIDDEN + rows, y, mask=rows < HIDDEN, sem="relaxed")
 
