@@ -108,8 +108,8 @@ class Router(nn.Module):
         """-> (weights fp32 [T, k + S], expert ids [T, k + S]); the S shared experts come last.
 
         Given `residual` and `norm`, x is not yet normalised: the residual add + norm run with the
-        routing (one kernel on the GPU) -> (weights, ids, norm(x + residual), x + residual). One
-        entry point for both.
+        routing (one kernel on the GPU) -> (weights, ids, norm(x + residual), x + residual). Either
+        way the routing goes to `observers`.
         """
         if norm is None:
             weights, ids = ops.select_experts(router_logits(x, self.weight), **self.rules(num_shared))
