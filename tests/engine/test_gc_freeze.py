@@ -43,7 +43,8 @@ def test_admitted_requests_are_frozen_then_freed_when_finished(v3_checkpoint):
     core.kv.check_idle_accounting()
     # Reference counting frees finished requests whether frozen or not: nothing kept alive.
     assert garbage() is None and all(ref() is None for ref in refs)
-    # No new requests: later steps freeze nothing more.
+    # No new requests: later steps freeze nothing more. (The count may fall: frozen objects that die
+    # leave it, and what other tests left in the frozen generation can die during any step.)
     frozen = gc.get_freeze_count()
     core.step()
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() <= frozen
