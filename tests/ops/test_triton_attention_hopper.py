@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moeserve.ops.reference import attention as ref
-from moeserve.ops.triton import flash_attention
+from moeserve.ops.triton import flash_attention, flash_attention_hopper
 from moeserve.ops.triton.flash_attention_hopper import hopper_attention_usable, hopper_varlen_attention
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -98,9 +98,19 @@ def test_gpu_hopper_attention_declines_what_it_cannot_read():
     wide = torch.randn(40, 67, device=DEVICE, dtype=q.dtype)
     assert not hopper_attention_usable(q, k, v, wide[:, 3:])  # rotary key 6 bytes off alignment
     assert not hopper_attention_usable(q.float(), k.float(), v.float(), k_rope.float())
+    broad = torch.randn(40, 4, 256, device=DEVICE, dtype=q.dtype)  # a 256-wide query: past shared memory
+    assert not hopper_attention_usable(broad, broad[..., :192], v, k_rope)
     args = (q, k, v, cumsum0([40]), cumsum0([40]), 40, 40, 0.1)
     got = flash_attention.varlen_attention(*args, k_rope=wide[:, 3:])
     assert rel_err(got, ref.varlen_attention(*args, k_rope=wide[:, 3:])) < 1e-2
+
+
+def test_shared_memory_bounds_the_head_dims():
+    """DeepSeek's query (3 boxes) and values (2) fit an sm_90 block (Triton 3.6 compiles the kernel to
+    213,228 bytes); a 256-wide query would not, so the check declines it."""
+    assert abs(flash_attention_hopper.shared_bytes(3, 2) - 213_228) < 1024
+    assert flash_attention_hopper.shared_bytes(3, 2) <= flash_attention_hopper.SHARED_LIMIT
+    assert flash_attention_hopper.shared_bytes(4, 2) > flash_attention_hopper.SHARED_LIMIT
 
 
 def test_cpu_tensors_are_not_for_the_hopper_kernel():

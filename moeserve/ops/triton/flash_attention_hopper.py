@@ -228,7 +228,8 @@ def _tma_readable(t: torch.Tensor) -> bool:
 
 def hopper_attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor | None) -> bool:
     """Whether the Hopper kernel takes these operands: sm_90, 16-bit, head dims in 64-column boxes
-    with two value boxes (DeepSeek's MLA: query 192 = key 128 + rotary 64, value 128)."""
+    with two value boxes (DeepSeek's MLA: query 192 = key 128 + rotary 64, value 128), within shared
+    memory, TMA-readable."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -236,9 +237,20 @@ def hopper_attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     rope = 0 if k_rope is None else k_rope.shape[-1]
     if k.shape[-1] % BOX or rope % BOX or v.shape[-1] != 2 * BOX or q.shape[-1] != k.shape[-1] + rope:
         return False
+    if shared_bytes(q.shape[-1] // BOX, 2) > SHARED_LIMIT:
+        return False
     if k_rope is not None and k_rope.dtype != q.dtype:
         return False
     return all(_tma_readable(t) for t in (q, k, v) + ((k_rope,) if k_rope is not None else ()))
+
+
+SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory
+
+
+def shared_bytes(query_boxes: int, value_boxes: int) -> int:
+    """Shared memory a program takes: the query's boxes, and STAGES slots of key and value boxes
+    (DeepSeek's 3 + 2: 208 KB; a 256-wide query would not fit)."""
+    return 2 * BOX * (query_boxes * BLOCK_M + STAGES * (query_boxes + value_boxes) * BLOCK_N) + 8 * (2 * STAGES + 1)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
