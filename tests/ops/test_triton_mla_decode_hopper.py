@@ -92,10 +92,25 @@ def test_gpu_hopper_split_many_tiles_a_split(splits, calls, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_gpu_hopper_split_eight_heads_and_float16(calls, poisoned):
-    check([700], 16, torch.Generator().manual_seed(8), heads=8)
-    check([700], 16, torch.Generator().manual_seed(16), dtype=torch.float16)
+@pytest.mark.parametrize("batch", [2, 3, 8])
+def test_gpu_hopper_split_a_few_sequences(batch, calls, poisoned, monkeypatch):
+    """Where the op takes it for more rows (HOPPER_SPLIT_MAX_BATCH): a program per (split, sequence),
+    ragged lengths, and the merge finding each split's keys in the Hopper kernel's tiles."""
+    monkeypatch.setattr(mla_decode_module, "HOPPER_SPLIT_MAX_BATCH", 8)
+    gen = torch.Generator().manual_seed(batch)
+    for page_size in (16, 64):
+        lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+        check(lens, page_size, gen, num_splits=132 // batch)
     assert calls[0] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_hopper_split_other_head_counts_and_float16(calls, poisoned):
+    check([700], 16, torch.Generator().manual_seed(8), heads=8, num_splits=64)
+    check([700], 16, torch.Generator().manual_seed(32), heads=32, num_splits=64)
+    check([700], 16, torch.Generator().manual_seed(16), dtype=torch.float16, num_splits=64)
+    assert calls[0] == 3
 
 
 @pytest.mark.gpu
@@ -105,7 +120,7 @@ def test_gpu_the_triton_split_stays_for_other_batches_and_when_off(calls, monkey
     check([300, 40], 16, gen, num_splits=8)  # batch 2: the Triton kernel's tiles
     check([300], 1, gen, num_splits=8)  # pages of one row: not in TMA boxes
     check([300], 16, gen, num_splits=1)  # one split: the Triton kernel writes the output itself
-    check([300], 16, gen, heads=32, num_splits=8)  # 32 heads: the Triton kernel's 32-head tiles
+    check([300], 16, gen, heads=64, num_splits=8)  # 64 heads: past the Hopper kernel's registers
     monkeypatch.setattr(mla_decode_module, "HOPPER_SPLIT", False)
     check([300], 16, gen, num_splits=8)
     assert calls[0] == 0

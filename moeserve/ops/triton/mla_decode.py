@@ -42,9 +42,12 @@ LOG2E = 1.4426950408889634
 # FP8 tiles widen to float16 for the matmuls: one conversion a pair of values, where bfloat16
 # takes a second (F2F) per value. Query values past float16's range saturate (SATURATE).
 FP8_F16_MATMULS = True
-# Batch 1's BF16 decode split on sm_90 as the Gluon kernel (mla_decode_hopper.py): TMA operands,
-# keys on wgmma's M side. MOESERVE_HOPPER_SPLIT=0 keeps the Triton kernel (A/B timing).
+# Batch 1's 16-bit decode split on sm_90 as the Gluon kernel (mla_decode_hopper.py): TMA operands,
+# keys on wgmma's M side. H200 decode-graph replay against the Triton kernel: b1 -2.2 / -2.3% (two
+# machines); taken up to 8 rows, b2 +0.6%, b4 -1.5%, b8 +0.9% (all inside the rounds' spread), so
+# batch 1 only. MOESERVE_HOPPER_SPLIT=0 keeps the Triton kernel (A/B timing).
 HOPPER_SPLIT = os.environ.get("MOESERVE_HOPPER_SPLIT", "1") != "0"
+HOPPER_SPLIT_MAX_BATCH = 1
 F16_MAX = tl.constexpr(65504.0)
 
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -385,13 +388,15 @@ def run_absorbed(
     qstart = seq_lens if decode else query_start_loc
     num_q_blocks = triton.cdiv(max_query_len, tiles.block_q)
     part_o, part_lse = _partials(rows, heads, num_splits, rank, out)
-    if decode and tiles.early_tile and num_splits > 1 and not fp8 and HOPPER_SPLIT and q_latent.is_cuda:
+    if decode and batch <= HOPPER_SPLIT_MAX_BATCH and num_splits > 1 and not fp8 and HOPPER_SPLIT and q_latent.is_cuda:
         from moeserve.ops.triton import mla_decode_hopper  # Gluon: imported only where it may run
 
         if mla_decode_hopper.decode_split_usable(q_latent, q_rope, kv_cache):
             mla_decode_hopper.decode_split(q_latent, q_rope, kv_cache, block_table, seq_lens, scale * LOG2E, 1.0,
                                            num_splits, part_o, part_lse, out if clear_width else None)
-            return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, tiles, num_splits, batch)
+            # The merge finds each split's keys as the split kernel dealt them: in its tiles.
+            return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, mla_decode_hopper.BLOCK_N,
+                                 num_splits, batch)
     grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), batch, num_splits)
     _mla_split_kernel[grid](
         q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, out if clear_width else part_lse,
@@ -407,18 +412,18 @@ def run_absorbed(
         CLEAR_WIDTH=clear_width, CLEAR_BLOCK=triton.next_power_of_2(max(clear_width, 1)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
-    return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, tiles, num_splits, batch, max_query_len,
-                         decode)
+    return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, tiles.block_n, num_splits, batch,
+                         max_query_len, decode)
 
 
 def _merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, qstart: torch.Tensor,
-                  out: torch.Tensor, project: Projection | None, tiles: Tiles, num_splits: int, batch: int,
+                  out: torch.Tensor, project: Projection | None, block_n: int, num_splits: int, batch: int,
                   max_query_len: int = 1, decode: bool = True) -> torch.Tensor:
-    """The splits merged (and projected, with `project`) into the op's result."""
+    """The splits (of whole `block_n`-key tiles) merged, and projected with `project`, into the op's result."""
     if project is not None:
-        return reduce_and_project(part_o, part_lse, seq_lens, project, num_splits, tiles.block_n)
+        return reduce_and_project(part_o, part_lse, seq_lens, project, num_splits, block_n)
     if num_splits > 1:
-        reduce_splits(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, tiles.block_n, decode)
+        reduce_splits(part_o, part_lse, seq_lens, qstart, out, max_query_len, batch, num_splits, block_n, decode)
     return out
 
 
