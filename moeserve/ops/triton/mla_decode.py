@@ -9,7 +9,8 @@ sequence shorter than the splits leaves the trailing ones empty, which makes dec
 in a CUDA graph (the merge, alone or fused with W_UV, is in mla_reduce.py). mla_extend.py reuses
 these kernels for prefill chunks (BLOCK_Q > 1, causal).
 At batch 1, decode loads each split's first tile before waiting on the previous kernel (PDL),
-all but the newest key, which this step's store may just have written.
+all but the newest key, which this step's store may just have written. On Hopper, batch 1's
+16-bit decode runs the split as the Gluon kernel in mla_decode_hopper.py instead (same partials).
 
 An FP8 cache holds value / kv_scale: tiles are widened to float16 for the matmuls (one
 instruction a pair of values; bfloat16 takes one more a value), the query saturating at float16's
