@@ -33,6 +33,22 @@ def test_the_hopper_split_declines_cpu_tensors_and_other_shapes():
     assert not hopper.decode_split_usable(q_latent, q_rope, cache)
 
 
+def test_try_decode_split_launches_only_what_it_takes(monkeypatch):
+    """The decode op's entry: the kernel's tile back when it ran the split (arguments passed through,
+    out_scale 1 for 16-bit caches), 0 when switched off or declined."""
+    seen = []
+    monkeypatch.setattr(hopper, "decode_split_usable", lambda *a: True)
+    monkeypatch.setattr(hopper, "decode_split", lambda *a: seen.append(a))
+    args = ("q_lat", "q_rope", "cache", "table", "lens", 0.7, 18, "part_o", "part_lse", None)
+    assert hopper.try_decode_split(*args) == hopper.BLOCK_N == 64
+    assert seen == [("q_lat", "q_rope", "cache", "table", "lens", 0.7, 1.0, 18, "part_o", "part_lse", None)]
+    monkeypatch.setattr(hopper, "ENABLED", False)
+    assert hopper.try_decode_split(*args) == 0
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "decode_split_usable", lambda *a: False)
+    assert hopper.try_decode_split(*args) == 0 and len(seen) == 1
+
+
 def nan_past_the_ends(cache: torch.Tensor, table: torch.Tensor, seq_lens: list[int]) -> None:
     """NaN in every cache row no sequence holds (spare pages, the scratch page, rows past an end)."""
     page = cache.shape[1]
@@ -121,7 +137,7 @@ def test_gpu_the_triton_split_stays_for_other_batches_and_when_off(calls, monkey
     check([300], 1, gen, num_splits=8)  # pages of one row: not in TMA boxes
     check([300], 16, gen, num_splits=1)  # one split: the Triton kernel writes the output itself
     check([300], 16, gen, heads=64, num_splits=8)  # 64 heads: past the Hopper kernel's registers
-    monkeypatch.setattr(mla_decode_module, "HOPPER_SPLIT", False)
+    monkeypatch.setattr(hopper, "ENABLED", False)
     check([300], 16, gen, num_splits=8)
     assert calls[0] == 0
 

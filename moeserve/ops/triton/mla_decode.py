@@ -20,8 +20,6 @@ kept in base 2.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,11 +41,9 @@ LOG2E = 1.4426950408889634
 # FP8 tiles widen to float16 for the matmuls: one conversion a pair of values, where bfloat16
 # takes a second (F2F) per value. Query values past float16's range saturate (SATURATE).
 FP8_F16_MATMULS = True
-# Batch 1's 16-bit decode split on sm_90 as the Gluon kernel (mla_decode_hopper.py): TMA operands,
-# keys on wgmma's M side. H200 decode-graph replay against the Triton kernel: b1 -2.2 / -2.3% (two
-# machines); taken up to 8 rows, b2 +0.6%, b4 -1.5%, b8 +0.9% (all inside the rounds' spread), so
-# batch 1 only. MOESERVE_HOPPER_SPLIT=0 keeps the Triton kernel (A/B timing).
-HOPPER_SPLIT = os.environ.get("MOESERVE_HOPPER_SPLIT", "1") != "0"
+# Decode batches up to this size run the split as the Gluon kernel on sm_90 (mla_decode_hopper.py,
+# where it takes the shapes). H200 decode-graph replay against the Triton kernel: b1 -2.2 / -2.3%;
+# taken up to 8 rows, b2 +0.6%, b4 -1.5%, b8 +0.9% (all inside the rounds' spread).
 HOPPER_SPLIT_MAX_BATCH = 1
 F16_MAX = tl.constexpr(65504.0)
 
@@ -389,15 +385,13 @@ def run_absorbed(
     qstart = seq_lens if decode else query_start_loc
     num_q_blocks = triton.cdiv(max_query_len, tiles.block_q)
     part_o, part_lse = _partials(rows, heads, num_splits, rank, out)
-    if decode and batch <= HOPPER_SPLIT_MAX_BATCH and num_splits > 1 and not fp8 and HOPPER_SPLIT and q_latent.is_cuda:
+    if decode and not fp8 and batch <= HOPPER_SPLIT_MAX_BATCH and num_splits > 1 and q_latent.is_cuda:
         from moeserve.ops.triton import mla_decode_hopper  # Gluon: imported only where it may run
 
-        if mla_decode_hopper.decode_split_usable(q_latent, q_rope, kv_cache):
-            mla_decode_hopper.decode_split(q_latent, q_rope, kv_cache, block_table, seq_lens, scale * LOG2E, 1.0,
-                                           num_splits, part_o, part_lse, out if clear_width else None)
-            # The merge finds each split's keys as the split kernel dealt them: in its tiles.
-            return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, mla_decode_hopper.BLOCK_N,
-                                 num_splits, batch)
+        block_n = mla_decode_hopper.try_decode_split(q_latent, q_rope, kv_cache, block_table, seq_lens, scale * LOG2E,
+                                                     num_splits, part_o, part_lse, out if clear_width else None)
+        if block_n:  # the merge finds each split's keys as that kernel dealt them, in its tiles
+            return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, block_n, num_splits, batch)
     grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), batch, num_splits)
     _mla_split_kernel[grid](
         q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, out if clear_width else part_lse,

@@ -19,6 +19,8 @@ output, base-2 log-sum-exp) as the Triton kernel, so the merge kernels are share
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -33,6 +35,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
+# MOESERVE_HOPPER_SPLIT=0 keeps the Triton split kernel everywhere (A/B timing).
+ENABLED = os.environ.get("MOESERVE_HOPPER_SPLIT", "1") != "0"
 BOX = 64  # columns of a TMA box: 128 bytes of bf16
 BLOCK_N = 64  # keys a tile: the wgmma's M
 WARPS = 4  # one warpgroup
@@ -124,6 +128,42 @@ def _store_partials(acc, m_i, l_i, part_o_ptr, part_lse_ptr, b, split, num_split
 
 
 @gluon.jit
+def _buffers(q_desc, kv_desc, HEADS: gl.constexpr, BOXES: gl.constexpr):
+    """Shared memory: two stages of a KV tile's boxes, the query's boxes, P^T, and their barriers."""
+    kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [2 * BOXES, _BLOCK_N, _BOX], kv_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BOXES, HEADS, _BOX], q_desc.layout)
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [_BLOCK_N, HEADS],
+                                       gl.NVMMASharedLayout.get_default_for([_BLOCK_N, HEADS], q_desc.dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ready.index(0), count=1)
+    mbarrier.init(ready.index(1), count=1)
+    mbarrier.init(q_bar, count=1)
+    fence_async_shared()
+    return kv_smem, q_smem, p_smem, ready, q_bar
+
+
+@gluon.jit
+def _after_wait(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, table_row, clear_ptr, b, split, lo, hi, skip,
+                LATENT_BOXES: gl.constexpr, PAGE: gl.constexpr, CLEAR_WIDTH: gl.constexpr, CLEAR_BLOCK: gl.constexpr):
+    """What the previous kernel may still write: o_proj's float32 row (zeroed by split 0), the newest
+    key's page (copied now, if it is in the first tile), and the query."""
+    BOXES: gl.constexpr = LATENT_BOXES + 1
+    HEADS: gl.constexpr = q_desc.block_type.shape[0]
+    if CLEAR_WIDTH:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
+        if split == 0:  # the merge adds o_proj into it
+            offs = gl.arange(0, CLEAR_BLOCK, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+            gl.store(clear_ptr + b * CLEAR_WIDTH + offs, gl.zeros_like(offs).to(gl.float32), mask=offs < CLEAR_WIDTH)
+    for p in gl.static_range(_BLOCK_N // PAGE):
+        if p == skip:
+            _copy_page(kv_desc, kv_smem, ready.index(0), table_row, lo, p, hi, 0, BOXES, PAGE)
+    mbarrier.expect(q_bar, BOXES * q_desc.block_type.nbytes)
+    for c in gl.static_range(LATENT_BOXES):
+        tma.async_copy_global_to_shared(q_desc, [b * HEADS, c * _BOX], q_bar, q_smem.index(c))
+    tma.async_copy_global_to_shared(r_desc, [b * HEADS, 0], q_bar, q_smem.index(LATENT_BOXES))
+
+
+@gluon.jit
 def _split_kernel(q_desc, r_desc, kv_desc, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, clear_ptr,
                   stride_table, num_splits, qk_scale, out_scale,
                   LATENT_BOXES: gl.constexpr, PAGE: gl.constexpr, CLEAR_WIDTH: gl.constexpr,
@@ -138,34 +178,15 @@ def _split_kernel(q_desc, r_desc, kv_desc, table_ptr, seq_lens_ptr, part_o_ptr, 
     if lo < hi:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                            instr_shape=[16, HEADS, 16])
-        kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [2 * BOXES, _BLOCK_N, _BOX], kv_desc.layout)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BOXES, HEADS, _BOX], q_desc.layout)
-        p_smem = gl.allocate_shared_memory(q_desc.dtype, [_BLOCK_N, HEADS],
-                                           gl.NVMMASharedLayout.get_default_for([_BLOCK_N, HEADS], q_desc.dtype))
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-        mbarrier.init(q_bar, count=1)
-        fence_async_shared()
+        kv_smem, q_smem, p_smem, ready, q_bar = _buffers(q_desc, kv_desc, HEADS, BOXES)
         table_row = table_ptr + b.to(gl.int64) * stride_table
         # The newest key's page, if in the first tile, waits for the previous kernel's cache store.
         newest = (seq_len - 1 - lo) // PAGE
         skip = gl.where(newest < _BLOCK_N // PAGE, newest, -1)
         _copy_tile(kv_desc, kv_smem, ready.index(0), table_row, lo, hi, 0, skip, BOXES, PAGE)
         wait_for_prior_grid(PDL)
-        if CLEAR_WIDTH:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
-            if split == 0:  # the float32 row the merge adds o_proj into, zeroed after the wait
-                offs = gl.arange(0, CLEAR_BLOCK, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-                gl.store(clear_ptr + b * CLEAR_WIDTH + offs, gl.zeros_like(offs).to(gl.float32),
-                         mask=offs < CLEAR_WIDTH)
-        for p in gl.static_range(_BLOCK_N // PAGE):
-            if p == skip:
-                _copy_page(kv_desc, kv_smem, ready.index(0), table_row, lo, p, hi, 0, BOXES, PAGE)
-        mbarrier.expect(q_bar, BOXES * q_desc.block_type.nbytes)
-        for c in gl.static_range(LATENT_BOXES):
-            tma.async_copy_global_to_shared(q_desc, [b * HEADS, c * _BOX], q_bar, q_smem.index(c))
-        tma.async_copy_global_to_shared(r_desc, [b * HEADS, 0], q_bar, q_smem.index(LATENT_BOXES))
+        _after_wait(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, table_row, clear_ptr, b, split, lo, hi,
+                    skip, LATENT_BOXES, PAGE, CLEAR_WIDTH, CLEAR_BLOCK)
         acc = ()
         for _ in gl.static_range(LATENT_BOXES):
             acc = acc + (gl.zeros([_BOX, HEADS], gl.float32, s_layout),)
@@ -245,3 +266,15 @@ def decode_split(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.T
         CLEAR_BLOCK=max(32 * WARPS, 1 << max(clear_width - 1, 0).bit_length()),
         num_warps=WARPS, **pdl_launch(q_latent),
     )
+
+
+def try_decode_split(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, qk_scale: float, num_splits: int, part_o: torch.Tensor,
+                     part_lse: torch.Tensor, clear: torch.Tensor | None) -> int:
+    """`decode_split` of a 16-bit cache (out_scale 1) where this kernel takes the call (ENABLED,
+    `decode_split_usable`) -> the keys of its tile, by which the merge finds each split's keys; 0
+    when it declines."""
+    if not (ENABLED and decode_split_usable(q_latent, q_rope, kv_cache)):
+        return 0
+    decode_split(q_latent, q_rope, kv_cache, block_table, seq_lens, qk_scale, 1.0, num_splits, part_o, part_lse, clear)
+    return BLOCK_N
