@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import measure  # noqa: E402
 
 from moeserve.ops.reference import attention as ref  # noqa: E402
+from moeserve.ops.triton import mla_decode_hopper  # noqa: E402
 from moeserve.ops.triton.flash_attention import varlen_attention  # noqa: E402
 from moeserve.ops.triton.gather_kv import gather_kv  # noqa: E402
 from moeserve.ops.triton.mla_decode import mla_decode  # noqa: E402
@@ -187,7 +188,8 @@ def bench_decode(gen: torch.Generator, read_gbs: float) -> list[dict]:
 
 def bench_decode_projections(gen: torch.Generator, read_gbs: float) -> list[dict]:
     """Batch 1's decode alone, with W_UV fused into the merge, and with o_proj too (the engine's
-    path): time and GB/s over the KV and the weights each reads."""
+    path), its split as the Hopper (Gluon) kernel and as the Triton one: time and GB/s over the KV
+    and the weights each reads."""
     w_uv = torch.randn(HEADS, DV, RANK, device=DEV, dtype=torch.bfloat16) * RANK**-0.5
     w_o = torch.randn(HIDDEN, HEADS * DV, device=DEV, dtype=torch.bfloat16) * (HEADS * DV) ** -0.5
     rows = []
@@ -195,17 +197,23 @@ def bench_decode_projections(gen: torch.Generator, read_gbs: float) -> list[dict
         args, kv_bytes = decode_case(1, ctx, torch.bfloat16, gen)
         for name, extra in (("latent", {}), ("w_uv", {"w_uv": w_uv}), ("w_uv+o_proj", {"w_uv": w_uv, "w_o": w_o})):
             nbytes = kv_bytes + sum(w.numel() * w.element_size() for w in extra.values())
-            us = time_us(lambda args=args, extra=extra: mla_decode(*args, **extra))
-            gbs = nbytes / us / 1e3
-            rows.append({"kernel": f"mla_decode+{name}", "batch": 1, "ctx": ctx, "us": round(us, 2),
-                         "gbs": round(gbs, 1), "frac_of_read_bw": round(gbs / read_gbs, 3)})
-            print(f"mla_decode {name:>12} B=1 ctx={ctx:<6} {us:9.1f} us {gbs:7.0f} GB/s  ({gbs / read_gbs:.0%} of {read_gbs:.0f})")
+            for split in ("hopper", "triton"):
+                mla_decode_hopper.ENABLED = split == "hopper"
+                us = time_us(lambda args=args, extra=extra: mla_decode(*args, **extra))
+                gbs = nbytes / us / 1e3
+                rows.append({"kernel": f"mla_decode+{name}", "split": split, "batch": 1, "ctx": ctx, "us": round(us, 2),
+                             "gbs": round(gbs, 1), "frac_of_read_bw": round(gbs / read_gbs, 3)})
+                print(f"mla_decode {name:>12} B=1 ctx={ctx:<6} split {split:>6} {us:9.1f} us {gbs:7.0f} GB/s  "
+                      f"({gbs / read_gbs:.0%} of {read_gbs:.0f})")
+        mla_decode_hopper.ENABLED = True
         del args
     return rows
 
 
 def sweep_decode(gen: torch.Generator) -> list[dict]:
-    """Split counts and tile shapes around the defaults, for tuning (microseconds)."""
+    """The Triton split's counts and tile shapes around the defaults, for tuning (microseconds; the
+    Hopper split, which has one tile, is off meanwhile)."""
+    mla_decode_hopper.ENABLED = False
     # The defaults first; every shape here was checked for spills and shared memory with ptxas.
     variants = {
         "bf16": [Tiles(1, 16, 32, 8, 3, 2), Tiles(1, 16, 32, 8, 4, 1), Tiles(1, 16, 64, 8, 3, 1), Tiles(1, 16, 16, 4, 4, 2)],
@@ -224,6 +232,7 @@ def sweep_decode(gen: torch.Generator) -> list[dict]:
             best = min((r for r in rows if r["batch"] == batch and r["kv"] == name), key=lambda r: r["us"])
             print(f"  sweep {name:>4} B={batch:<3} ctx={ctx:<6} best {best['us']:.1f} us: tiles {best['tiles']} splits {best['splits']}")
             del args
+    mla_decode_hopper.ENABLED = True
     return rows
 
 
