@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moeserve.ops.triton.device import tma_readable
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 BOX = 64  # columns of a TMA box: 128 bytes of bf16
@@ -219,13 +220,6 @@ def _hopper_varlen_kernel(
             [1], [40])
 
 
-def _tma_readable(t: torch.Tensor) -> bool:
-    """Whether TMA can read `t` ([T, H, D] or [T, D]) as rows of columns: unit last stride, 16-byte
-    strides and base."""
-    strides = t.stride()[:-1]
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in strides)
-
-
 def hopper_attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor | None) -> bool:
     """Whether the Hopper kernel takes these operands: sm_90, 16-bit, head dims in 64-column boxes
     with two value boxes (DeepSeek's MLA: query 192 = key 128 + rotary 64, value 128), within shared
@@ -241,7 +235,7 @@ def hopper_attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         return False
     if k_rope is not None and k_rope.dtype != q.dtype:
         return False
-    return all(_tma_readable(t) for t in (q, k, v) + ((k_rope,) if k_rope is not None else ()))
+    return all(tma_readable(t) for t in (q, k, v) + ((k_rope,) if k_rope is not None else ()))
 
 
 SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory

@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moeserve.ops.triton.device import tma_readable
+from moeserve.ops.triton.mla_reduce import split_len
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 # MOESERVE_HOPPER_SPLIT=0 keeps the Triton split kernel everywhere (A/B timing).
@@ -47,8 +49,7 @@ _BOX, _BLOCK_N = gl.constexpr(BOX), gl.constexpr(BLOCK_N)
 def _split_range(seq_lens_ptr, b, split, num_splits):
     """(first key, end key, sequence length) of this split: an even share of whole tiles."""
     seq_len = gl.load(seq_lens_ptr + b, cache_modifier=".cg")  # a step input: readable before the wait
-    share = (seq_len + num_splits - 1) // num_splits
-    chunk = gl.maximum((share + _BLOCK_N - 1) // _BLOCK_N, 1) * _BLOCK_N
+    chunk = split_len(seq_len, num_splits, _BLOCK_N)  # as the merge deals them
     lo = split * chunk
     return lo, gl.minimum(lo + chunk, seq_len), seq_len
 
@@ -224,18 +225,10 @@ def decode_split_usable(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: 
         and q_rope.dtype == q_latent.dtype and heads % 8 == 0 and 8 <= heads <= 32
         and rank % BOX == 0 and rope == BOX and kv_cache.shape[2] == rank + rope
         and page in (8, 16, 32, 64) and BLOCK_N % page == 0
-        and all(_rows_readable(t) for t in (q_latent, q_rope, kv_cache))
+        and all(tma_readable(t) for t in (q_latent, q_rope, kv_cache))
         # rows (sequence, head) and (page, slot) evenly strided, as one 2-D TMA view each
         and q_latent.stride(0) == heads * q_latent.stride(1) and q_rope.stride(0) == heads * q_rope.stride(1)
         and kv_cache.stride(0) == page * kv_cache.stride(1)
-    )
-
-
-def _rows_readable(t: torch.Tensor) -> bool:
-    """TMA can read `t` as rows of its last dim: unit last stride, 16-byte row strides and base."""
-    return (
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-        and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
     )
 
 
