@@ -108,19 +108,6 @@ def test_gpu_hopper_split_many_tiles_a_split(splits, calls, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_gpu_hopper_split_with_a_loading_warp(page_size, calls, poisoned, monkeypatch):
-    """LOADER_WARP: one warp issues the copies (first tile before the wait, the newest page and the
-    query after it, later tiles as the products free their stage)."""
-    monkeypatch.setattr(hopper, "LOADER_WARP", True)
-    gen = torch.Generator().manual_seed(page_size)
-    for seq_len, splits in ((1, 64), (63, 64), (1152, 64), (1153, 64), (3000, 2), (3001, 7), (20000, 132)):
-        check([seq_len], page_size, gen, num_splits=splits)
-    assert calls[0] == 7
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("batch", [2, 3, 8])
 def test_gpu_hopper_split_a_few_sequences(batch, calls, poisoned, monkeypatch):
     """Where the op takes it for more rows (HOPPER_SPLIT_MAX_BATCH): a program per (split, sequence),
@@ -158,13 +145,10 @@ def test_gpu_the_triton_split_stays_for_other_batches_and_when_off(calls, monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("page_size", [16, 64])
-@pytest.mark.parametrize("loader", [False, True], ids=["compute-warps-load", "loading-warp"])
-def test_gpu_hopper_split_reads_the_key_stored_just_before(page_size, loader, calls, monkeypatch):
+def test_gpu_hopper_split_reads_the_key_stored_just_before(page_size, calls):
     """The first tile is copied before the PDL wait but for the newest key's page: with the cache
     store as the kernel before (PDL), a stale newest row must never reach the output."""
     from moeserve.ops.triton.rope_store import mla_rope_norm_store
-
-    monkeypatch.setattr(hopper, "LOADER_WARP", loader)
 
     gen = torch.Generator().manual_seed(page_size)
     for seq_len in (1, 17, 64, 65, 1152, 1153, 3000):

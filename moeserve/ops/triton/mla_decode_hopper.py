@@ -12,6 +12,9 @@ O^T = V^T P^T for 8 latent boxes, V read from the same tile (the latent columns)
 
 The first tile's pages are copied before the PDL wait, all but the page holding the newest key,
 which this step's cache store may just have written (as the Triton kernel's early tile does).
+A fifth warp issues every copy (gl.warp_specialize): from the warpgroup, each copy sat behind a
+block-wide barrier that Gluon inserts, and the 18 after the wait (that page, the query) were on
+the products' path (H200 b1 decode-graph replay 1.724 -> 1.706 ms, -1.0%).
 Rows past the split's end are masked in the scores and zeroed in the tile before the value
 product, since a cache page's unused rows may hold anything. Writes the same partials (normalised
 output, base-2 log-sum-exp) as the Triton kernel, so the merge kernels are shared.
@@ -42,9 +45,6 @@ ENABLED = os.environ.get("MOESERVE_HOPPER_SPLIT", "1") != "0"
 BOX = 64  # columns of a TMA box: 128 bytes of bf16
 BLOCK_N = 64  # keys a tile: the wgmma's M
 WARPS = 4  # one warpgroup
-# One more warp issues the TMA copies (gl.warp_specialize): Gluon puts a block-wide barrier before
-# each copy, and the last split issues 18 after its PDL wait (the newest key's page, the query).
-LOADER_WARP = False
 _BOX, _BLOCK_N = gl.constexpr(BOX), gl.constexpr(BLOCK_N)
 
 
@@ -133,38 +133,21 @@ def _store_partials(acc, m_i, l_i, part_o_ptr, part_lse_ptr, b, split, num_split
 
 @gluon.jit
 def _buffers(q_desc, kv_desc, HEADS: gl.constexpr, BOXES: gl.constexpr):
-    """Shared memory: two stages of a KV tile's boxes, the query's boxes, P^T, and their barriers."""
+    """Shared memory: two stages of a KV tile's boxes, the query's boxes, P^T, and the barriers
+    (a stage landed, a stage read, the query landed)."""
     kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [2 * BOXES, _BLOCK_N, _BOX], kv_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BOXES, HEADS, _BOX], q_desc.layout)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [_BLOCK_N, HEADS],
                                        gl.NVMMASharedLayout.get_default_for([_BLOCK_N, HEADS], q_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(ready.index(0), count=1)
-    mbarrier.init(ready.index(1), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
-    return kv_smem, q_smem, p_smem, ready, q_bar
-
-
-@gluon.jit
-def _after_wait(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, table_row, clear_ptr, b, split, lo, hi, skip,
-                LATENT_BOXES: gl.constexpr, PAGE: gl.constexpr, CLEAR_WIDTH: gl.constexpr, CLEAR_BLOCK: gl.constexpr):
-    """What the previous kernel may still write: o_proj's float32 row (zeroed by split 0), the newest
-    key's page (copied now, if it is in the first tile), and the query."""
-    BOXES: gl.constexpr = LATENT_BOXES + 1
-    HEADS: gl.constexpr = q_desc.block_type.shape[0]
-    if CLEAR_WIDTH:  # noqa: SIM102 (a constexpr, then a tensor: Gluon takes no `and` across them)
-        if split == 0:  # the merge adds o_proj into it
-            offs = gl.arange(0, CLEAR_BLOCK, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-            gl.store(clear_ptr + b * CLEAR_WIDTH + offs, gl.zeros_like(offs).to(gl.float32), mask=offs < CLEAR_WIDTH)
-    for p in gl.static_range(_BLOCK_N // PAGE):
-        if p == skip:
-            _copy_page(kv_desc, kv_smem, ready.index(0), table_row, lo, p, hi, 0, BOXES, PAGE)
-    mbarrier.expect(q_bar, BOXES * q_desc.block_type.nbytes)
-    for c in gl.static_range(LATENT_BOXES):
-        tma.async_copy_global_to_shared(q_desc, [b * HEADS, c * _BOX], q_bar, q_smem.index(c))
-    tma.async_copy_global_to_shared(r_desc, [b * HEADS, 0], q_bar, q_smem.index(LATENT_BOXES))
+    return kv_smem, q_smem, p_smem, ready, empty, q_bar
 
 
 @gluon.jit
@@ -177,7 +160,7 @@ def _clear_row(clear_ptr, b, split, CLEAR_WIDTH: gl.constexpr, CLEAR_BLOCK: gl.c
 
 
 @gluon.jit
-def _load_warp(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, empty, table_row, lo, hi, skip, b,
+def _load_warp(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, empty, q_bar, table_row, lo, hi, skip, b,
                LATENT_BOXES: gl.constexpr, PAGE: gl.constexpr, PDL: gl.constexpr):
     """The loading warp: the first tile but the newest key's page, the PDL wait, that page and the
     query, then each later tile once the products of the tile two back have released its stage."""
@@ -201,11 +184,11 @@ def _load_warp(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, empty, ta
 
 
 @gluon.jit
-def _compute_warps(kv_smem, q_smem, p_smem, ready, q_bar, empty, clear_ptr, part_o_ptr, part_lse_ptr, b, split,
+def _compute_warps(kv_smem, q_smem, p_smem, ready, empty, q_bar, clear_ptr, part_o_ptr, part_lse_ptr, b, split,
                    num_splits, lo, hi, qk_scale, out_scale, LATENT_BOXES: gl.constexpr, HEADS: gl.constexpr,
                    CLEAR_WIDTH: gl.constexpr, CLEAR_BLOCK: gl.constexpr, PDL: gl.constexpr):
-    """The warpgroup beside the loading warp: the tiles' products as `_split_kernel` runs them,
-    each stage handed back through `empty`; then the partials."""
+    """The warpgroup beside the loading warp: each tile's products into the running softmax, its
+    stage handed back through `empty`; then the partials."""
     BOXES: gl.constexpr = LATENT_BOXES + 1
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, HEADS, 16])
@@ -234,7 +217,7 @@ def _compute_warps(kv_smem, q_smem, p_smem, ready, q_bar, empty, clear_ptr, part
 def _split_kernel(q_desc, r_desc, kv_desc, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, clear_ptr,
                   stride_table, num_splits, qk_scale, out_scale,
                   LATENT_BOXES: gl.constexpr, PAGE: gl.constexpr, CLEAR_WIDTH: gl.constexpr,
-                  CLEAR_BLOCK: gl.constexpr, PDL: gl.constexpr, LOADER: gl.constexpr):
+                  CLEAR_BLOCK: gl.constexpr, PDL: gl.constexpr):
     """Program (split, sequence): its keys' partial over every head. Empty splits return at once
     (without the PDL wait: they touch no memory, and a finished program counts as launched)."""
     BOXES: gl.constexpr = LATENT_BOXES + 1
@@ -243,57 +226,21 @@ def _split_kernel(q_desc, r_desc, kv_desc, table_ptr, seq_lens_ptr, part_o_ptr, 
     b = gl.program_id(1)
     lo, hi, seq_len = _split_range(seq_lens_ptr, b, split, num_splits)
     if lo < hi:
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                           instr_shape=[16, HEADS, 16])
-        kv_smem, q_smem, p_smem, ready, q_bar = _buffers(q_desc, kv_desc, HEADS, BOXES)
+        kv_smem, q_smem, p_smem, ready, empty, q_bar = _buffers(q_desc, kv_desc, HEADS, BOXES)
         table_row = table_ptr + b.to(gl.int64) * stride_table
         # The newest key's page, if in the first tile, waits for the previous kernel's cache store.
         newest = (seq_len - 1 - lo) // PAGE
         skip = gl.where(newest < _BLOCK_N // PAGE, newest, -1)
-        if LOADER:
-            empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(empty.index(0), count=1)
-            mbarrier.init(empty.index(1), count=1)
-            fence_async_shared()
-            gl.warp_specialize(
-                [(_compute_warps, (kv_smem, q_smem, p_smem, ready, q_bar, empty, clear_ptr, part_o_ptr, part_lse_ptr, b,
-                                   split, num_splits, lo, hi, qk_scale, out_scale, LATENT_BOXES, HEADS, CLEAR_WIDTH,
-                                   CLEAR_BLOCK, PDL)),
-                 (_load_warp, (q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, empty, table_row, lo, hi, skip,
-                               b, LATENT_BOXES, PAGE, PDL))],
-                [1], [48])
-            mbarrier.invalidate(empty.index(0))
-            mbarrier.invalidate(empty.index(1))
-            mbarrier.invalidate(ready.index(0))
-            mbarrier.invalidate(ready.index(1))
-            mbarrier.invalidate(q_bar)
-            return
-        _copy_tile(kv_desc, kv_smem, ready.index(0), table_row, lo, hi, 0, skip, BOXES, PAGE)
-        wait_for_prior_grid(PDL)
-        _after_wait(q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, q_bar, table_row, clear_ptr, b, split, lo, hi,
-                    skip, LATENT_BOXES, PAGE, CLEAR_WIDTH, CLEAR_BLOCK)
-        acc = ()
-        for _ in gl.static_range(LATENT_BOXES):
-            acc = acc + (gl.zeros([_BOX, HEADS], gl.float32, s_layout),)
-        m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, s_layout))
-        n = (hi - lo + _BLOCK_N - 1) // _BLOCK_N
-        mbarrier.wait(q_bar, 0)
-        for t in range(n):
-            stage = t % 2
-            start = lo + t * _BLOCK_N
-            if t + 1 < n:  # the other stage's last tile was read by the products that ended iteration t - 1
-                _copy_tile(kv_desc, kv_smem, ready.index(1 - stage), table_row, start + _BLOCK_N, hi, 1 - stage, -1,
-                           BOXES, PAGE)
-            mbarrier.wait(ready.index(stage), (t // 2) & 1)
-            if start + _BLOCK_N > hi:
-                _zero_rows_past(kv_smem, stage, hi - start, BOXES, LATENT_BOXES)
-            acc, m_i, l_i = _attend(kv_smem, q_smem, p_smem, stage, acc, m_i, l_i, start, hi, qk_scale, BOXES,
-                                    LATENT_BOXES, HEADS, s_layout)
-        _store_partials(acc, m_i, l_i, part_o_ptr, part_lse_ptr, b, split, num_splits, out_scale, LATENT_BOXES,
-                        s_layout)
-        mbarrier.invalidate(ready.index(0))
-        mbarrier.invalidate(ready.index(1))
+        gl.warp_specialize(
+            [(_compute_warps, (kv_smem, q_smem, p_smem, ready, empty, q_bar, clear_ptr, part_o_ptr, part_lse_ptr, b,
+                               split, num_splits, lo, hi, qk_scale, out_scale, LATENT_BOXES, HEADS, CLEAR_WIDTH,
+                               CLEAR_BLOCK, PDL)),
+             (_load_warp, (q_desc, r_desc, kv_desc, kv_smem, q_smem, ready, empty, q_bar, table_row, lo, hi, skip,
+                           b, LATENT_BOXES, PAGE, PDL))],
+            [1], [48])
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
         mbarrier.invalidate(q_bar)
 
 
@@ -340,7 +287,7 @@ def decode_split(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.T
         block_table, seq_lens, part_o, part_lse, clear if clear is not None else part_lse,
         block_table.stride(0), num_splits, qk_scale, out_scale,
         LATENT_BOXES=rank // BOX, PAGE=page, CLEAR_WIDTH=clear_width,
-        CLEAR_BLOCK=max(32 * WARPS, 1 << max(clear_width - 1, 0).bit_length()), LOADER=LOADER_WARP,
+        CLEAR_BLOCK=max(32 * WARPS, 1 << max(clear_width - 1, 0).bit_length()),
         num_warps=WARPS, **pdl_launch(q_latent),
     )
 
