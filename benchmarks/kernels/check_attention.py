@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the moeserve tree this file is in
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import measure  # noqa: E402
 
