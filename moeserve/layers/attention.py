@@ -63,6 +63,23 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
         self.rotary = RotaryFrequencies(config.rope, self.rope_dim, config.rope_interleave)
+        self._o_proj_copy: tuple[tuple[int, int], torch.Tensor | None] | None = None
+
+    def build_weight_copies(self) -> None:
+        """Build now the copy of o_proj that decode reads (ops.transposed_o_proj), which would
+        otherwise be built at first use, so that a memory profile counts it as weights."""
+        self.o_proj_copy()
+
+    def o_proj_copy(self) -> torch.Tensor | None:
+        """o_proj's weight as batch-1 decode reads it fastest (ops.transposed_o_proj), or None;
+        rebuilt whenever the weight is written."""
+        w = self.o_proj.weight
+        key = (w.data_ptr(), w._version)
+        if self._o_proj_copy is None or self._o_proj_copy[0] != key:
+            if w.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("o_proj's decode copy must be built before graph capture")
+            self._o_proj_copy = (key, ops.transposed_o_proj(self._w_uk_uv()[1], w))
+        return self._o_proj_copy[1]
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into its key part [H, nope, rank] and value part [H, v, rank]."""
@@ -134,6 +151,7 @@ class MLAAttention(nn.Module):
             result = ops.mla_decode(
                 q_latent, q[:d, :, self.nope_dim :], cache, batch.block_table[:b], batch.seq_lens_t[:b], self.scale,
                 kv_scale, w_uv=w_uv, out=out[:d], w_o=self.o_proj.weight if with_o else None,
+                w_o_t=self.o_proj_copy() if with_o else None,
             )
             if with_o:
                 return result

@@ -127,7 +127,8 @@ class DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def build_weight_copies(self) -> None:
-        """Build every layer's derived weight copies now rather than at first use (MoE.build_weight_copies)."""
+        """Build every layer's derived weight copies now rather than at first use (MoE's and
+        MLAAttention's build_weight_copies)."""
         for module in self.modules():
-            if isinstance(module, MoE):
+            if isinstance(module, MoE | MLAAttention):
                 module.build_weight_copies()

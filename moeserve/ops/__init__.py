@@ -47,6 +47,7 @@ argmax_rows = _dispatch("argmax_rows", _ref_argmax.argmax_rows, "argmax")
 store_kv = _ref_attention.store_kv  # folded into mla_rope_norm_store on the GPU path
 gather_kv = _dispatch("gather_kv", _ref_attention.gather_kv, "gather_kv")
 mla_decode = _dispatch("mla_decode", _ref_attention.mla_decode, "mla_decode")
+transposed_o_proj = _dispatch("transposed_o_proj", _ref_attention.transposed_o_proj, "mla_reduce")
 mla_extend_absorbed = _dispatch("mla_extend_absorbed", _ref_attention.mla_extend_absorbed, "mla_extend")
 varlen_attention = _dispatch("varlen_attention", _ref_attention.varlen_attention, "flash_attention")
 fused_moe = _dispatch("fused_moe", _ref_moe.fused_moe, "fused_moe")
@@ -87,6 +88,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_bmm",
     "store_kv",
+    "transposed_o_proj",
     "unpack_decode_inputs",
     "varlen_attention",
 ]

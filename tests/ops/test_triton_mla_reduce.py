@@ -47,13 +47,16 @@ def check(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen, n
     assert rel_err(got, want) < (tol or TOL[dtype])
 
 
-def check_output(seq_lens, heads, rank, v_dim, hidden, dtype, kv_dtype, gen, num_splits=None, tiles=None) -> bool:
-    """o_proj's output against the reference; -> whether it came fused (a float32 one-slot part)."""
+def check_output(seq_lens, heads, rank, v_dim, hidden, dtype, kv_dtype, gen, num_splits=None, tiles=None,
+                 transposed=False) -> bool:
+    """o_proj's output against the reference (read from a transposed copy if `transposed`); -> whether
+    it came fused (a float32 one-slot part)."""
     rope = 8 if rank < 64 else ROPE
     args, w_uv = decode_inputs(seq_lens, heads, rank, rope, v_dim, 16, dtype, kv_dtype, gen)
     w_o = (torch.randn(hidden, heads * v_dim, generator=gen) * (heads * v_dim) ** -0.5).to(DEVICE, dtype)
     want = ref.mla_decode(*args, w_uv=w_uv, w_o=w_o)
-    got = mla_decode(*args, w_uv=w_uv, w_o=w_o, num_splits=num_splits, tiles=tiles)
+    w_o_t = w_o.t().contiguous() if transposed else None
+    got = mla_decode(*args, w_uv=w_uv, w_o=w_o, w_o_t=w_o_t, num_splits=num_splits, tiles=tiles)
     fused = got.dim() == 3
     if fused:
         assert got.dtype == torch.float32 and got.shape == (len(seq_lens), 1, hidden)
@@ -67,12 +70,14 @@ def check_output(seq_lens, heads, rank, v_dim, hidden, dtype, kv_dtype, gen, num
 
 
 @pytest.mark.parametrize(("lens", "splits"), [([1], 3), ([70], 5), ([150], 7), ([70, 5], 4)])
-def test_batch_1_fuses_o_proj_into_the_merge(lens, splits, poisoned, monkeypatch):
+@pytest.mark.parametrize("transposed", [False, True], ids=["o_proj", "o_proj_transposed"])
+def test_batch_1_fuses_o_proj_into_the_merge(lens, splits, transposed, poisoned, monkeypatch):
     monkeypatch.setattr(mla_reduce, "OUTPUT_BLOCK_R", 16)  # three row blocks of 40, the last one partial
     monkeypatch.setattr(mla_reduce, "OUTPUT_MAX_ROWS", 2)  # the kernel takes any batch; the op picks 1
     gen = torch.Generator().manual_seed(splits)
     tiles = Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1, early_tile=True)
-    assert check_output(lens, 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=splits, tiles=tiles)
+    assert check_output(lens, 4, 32, 24, 40, torch.float32, torch.float32, gen, num_splits=splits, tiles=tiles,
+                        transposed=transposed)
 
 
 def test_o_proj_follows_the_merge_past_the_fused_sizes(poisoned, monkeypatch):
@@ -103,6 +108,11 @@ def test_o_proj_weight_is_checked():
             impl(q_latent, q_rope, cache, table, lens, 0.3, w_o=torch.zeros(40, 96, device=DEVICE))
     with pytest.raises(ValueError, match="w_o"):
         mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=torch.zeros(40, 95, device=DEVICE))
+    w_o = torch.zeros(40, 96, device=DEVICE)
+    for w_o_t in (w_o, w_o.t(), torch.zeros(96, 41, device=DEVICE)):  # not transposed, not contiguous, wrong size
+        with pytest.raises(ValueError, match="w_o_t"):
+            mla_decode(q_latent, q_rope, cache, table, lens, 0.3, w_uv=w_uv, w_o=w_o, w_o_t=w_o_t)
+    assert ref.transposed_o_proj(w_uv, w_o) is None  # the reference reads o_proj as it is
 
 
 @pytest.mark.parametrize(("lens", "splits"), [([1], 3), ([16], 2), ([70], 5), ([150], 7), ([40], 1), ([70, 5], 4)])
@@ -152,10 +162,12 @@ def test_gpu_projection_at_larger_batches(batch, poisoned):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize(("lens", "fused"), [([1], False), ([100], True), ([1280], True), ([20000], True),
                                              ([1500, 37], False)])
-def test_gpu_fused_o_proj_real_shapes(kv_dtype, lens, fused, poisoned):
-    """Fused at batch 1 wherever the page table's 64-key tiles make two splits or more."""
+@pytest.mark.parametrize("transposed", [False, True], ids=["o_proj", "o_proj_transposed"])
+def test_gpu_fused_o_proj_real_shapes(kv_dtype, lens, fused, transposed, poisoned):
+    """Fused at batch 1 wherever the page table's 64-key tiles make two splits or more; o_proj read
+    as it is or from its transposed copy (mla_reduce.transposed_o_proj)."""
     gen = torch.Generator().manual_seed(sum(lens))
-    assert check_output(lens, 16, RANK, 128, 2048, torch.bfloat16, kv_dtype, gen) == fused
+    assert check_output(lens, 16, RANK, 128, 2048, torch.bfloat16, kv_dtype, gen, transposed=transposed) == fused
 
 
 @pytest.mark.gpu
@@ -189,3 +201,9 @@ def test_gpu_fuses_o_proj_only_where_its_programs_fit_beside_the_split_kernel():
     dev = torch.device(DEVICE)
     assert mla_reduce.fuses_output(1, 16, 128, 2048, dev)
     assert not mla_reduce.fuses_output(1, 128, 128, 7168, dev)
+    # The transposed copy exists only where batch 1 fuses o_proj.
+    w_o = torch.randn(2048, 16 * 128, device=DEVICE, dtype=torch.bfloat16)
+    copy = mla_reduce.transposed_o_proj(torch.empty(16, 128, RANK, device=DEVICE), w_o)
+    assert copy is not None and copy.is_contiguous() and torch.equal(copy, w_o.t())
+    v3_o_proj = torch.empty(1, device=DEVICE).expand(7168, 128 * 128)  # V3's shape, no memory
+    assert mla_reduce.transposed_o_proj(torch.empty(128, 128, RANK, device=DEVICE), v3_o_proj) is None

@@ -95,13 +95,16 @@ def mla_decode(
     w_uv: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     w_o: torch.Tensor | None = None,
+    w_o_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed-form decode: one query per sequence over its whole latent cache -> [B, H, rank].
 
     With w_uv [H, v, rank] the per-head value projection follows -> [B, H, v] (into `out` if
     given): the absorbed form's last step before o_proj, which the GPU path may fuse into its merge.
     With w_o [hidden, H * v] too, o_proj follows -> [B, hidden] (the GPU path may return it as the
-    float32 one-slot part [B, 1, hidden] that the next add + RMSNorm also takes).
+    float32 one-slot part [B, 1, hidden] that the next add + RMSNorm also takes). `w_o_t`, what
+    `transposed_o_proj` gave for these weights, is the same weight in another layout for the GPU
+    path to read; the reference has no use for it.
     """
     if w_o is not None and w_uv is None:
         raise ValueError("mla_decode: o_proj's weight w_o needs w_uv")
@@ -115,6 +118,12 @@ def mla_decode(
         out = o_latent.new_empty(o_latent.shape[0], o_latent.shape[1], w_uv.shape[1])
     values = per_head_matmul(o_latent, w_uv.transpose(1, 2), out)
     return values if w_o is None else linear(values.flatten(1), w_o)
+
+
+def transposed_o_proj(w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor | None:
+    """A copy of o_proj's weight [hidden, H * v] that decode reads faster than the weight itself
+    (to pass to mla_decode as w_o_t), or None where it reads the weight as it is, as here."""
+    return None
 
 
 def mla_extend_absorbed(

@@ -442,13 +442,15 @@ def mla_decode(
     w_uv: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     w_o: torch.Tensor | None = None,
+    w_o_t: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Absorbed-form decode over the paged latent cache -> [B, H, rank]; with w_uv [H, v, rank] the
     per-head value projection too -> [B, H, v] (into `out` if given); with w_o [hidden, H * v] as
     well, o_proj's output: [B, hidden], or at batch 1 its float32 one-slot part [B, 1, hidden]
-    (mla_reduce.PROJECT_OUTPUT), which the next add + RMSNorm takes alike. Other keywords: tuning
+    (mla_reduce.PROJECT_OUTPUT), which the next add + RMSNorm takes alike, reading w_o_t (w_o
+    transposed, mla_reduce.transposed_o_proj) instead of w_o if given. Other keywords: tuning
     overrides.
 
     With w_uv and no w_o at batch 1-2 the kernel launched next may start before this op's last
@@ -468,13 +470,13 @@ def mla_decode(
     if w_o is not None and w_uv is None:
         raise ValueError("mla_decode: o_proj's weight w_o needs w_uv")
     if w_uv is not None:
-        _check_projections(q_latent, w_uv, w_o)
+        _check_projections(q_latent, w_uv, w_o, w_o_t)
         if out is None:
             out = q_latent.new_empty(batch, heads, w_uv.shape[1])
         if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
             if w_o is not None and mla_reduce.fuses_output(batch, heads, w_uv.shape[1], w_o.shape[0], w_o.device):
                 summed = torch.empty(batch, 1, w_o.shape[0], dtype=torch.float32, device=q_latent.device)
-                project = Projection(w_uv, summed, w_o)
+                project = Projection(w_uv, summed, w_o, w_o_t)
             else:
                 project = Projection(w_uv, out)
     result = run_absorbed(q_latent, q_rope, kv_cache, block_table, seq_lens, None, 1, scale, kv_scale, tiles,
@@ -486,9 +488,12 @@ def mla_decode(
     return result if w_o is None else linear(result.flatten(1), w_o)
 
 
-def _check_projections(q_latent: torch.Tensor, w_uv: torch.Tensor, w_o: torch.Tensor | None) -> None:
+def _check_projections(q_latent: torch.Tensor, w_uv: torch.Tensor, w_o: torch.Tensor | None,
+                       w_o_t: torch.Tensor | None) -> None:
     heads, rank = q_latent.shape[1], q_latent.shape[2]
     if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
         raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {rank}]")
     if w_o is not None and (w_o.dim() != 2 or w_o.shape[1] != heads * w_uv.shape[1]):
         raise ValueError(f"mla_decode: w_o {tuple(w_o.shape)} is not [hidden, {heads * w_uv.shape[1]}]")
+    if w_o_t is not None and (w_o is None or w_o_t.shape != w_o.shape[::-1] or not w_o_t.is_contiguous()):
+        raise ValueError("mla_decode: w_o_t must be w_o transposed, contiguous")

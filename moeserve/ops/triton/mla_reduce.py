@@ -6,7 +6,8 @@ of the total exp-sum. At batch 1 the merge, and the per-head value projection (W
 are each a few-microsecond launch whose time is latency; `reduce_and_project` does both in one:
 each program loads its W_UV rows before waiting on the split kernel (weights; see pdl.py), then
 merges its head's splits and multiplies. At batch 1 it can apply o_proj as well: each program
-also loads its values' o_proj columns and adds their products into a float32 output row by atomics.
+also loads its values' o_proj columns (from a transposed copy where the caller keeps one,
+`transposed_o_proj`) and adds their products into a float32 output row by atomics.
 """
 
 from __future__ import annotations
@@ -48,16 +49,23 @@ PROJECT_OUTPUT = True
 OUTPUT_MAX_ROWS = 1
 OUTPUT_BLOCK_R = 2048  # o_proj rows a program adds into
 OUTPUT_WARPS = 8
+# A program's o_proj block [2048 rows, 32 values] is 2,048 runs of 64 bytes in o_proj's own layout,
+# one run of 128 KB in a transposed copy (transposed_o_proj): H200 b1 decode-graph replay -0.6% on
+# two machines, for 8 MiB a layer. Whole 128-byte lines from the own layout instead (64 values,
+# 1,024 rows) +2.1%. False: no copy, and a given one is ignored (A/B timing).
+TRANSPOSED_O_PROJ = True
 
 
 @dataclass(frozen=True)
 class Projection:
     """What the decode merge applies after merging: W_UV [H, v, rank] into out [B, H, v]; with
-    w_o (o_proj [hidden, H * v]) that too, added into out, then a zeroed float32 [B, 1, hidden]."""
+    w_o (o_proj [hidden, H * v]) that too, added into out, then a zeroed float32 [B, 1, hidden]
+    (read from w_o_t, its transposed copy, when given: see transposed_o_proj)."""
 
     w_uv: torch.Tensor
     out: torch.Tensor
     w_o: torch.Tensor | None = None
+    w_o_t: torch.Tensor | None = None  # w_o transposed [H * v, hidden], contiguous (read instead, if given)
 
 
 @triton.jit
@@ -173,10 +181,10 @@ def _reduce_project_output_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, w_ptr, wo_ptr, out_ptr, stride_wh, stride_wv, stride_wo, num_heads,
     num_splits, HIDDEN: tl.constexpr, V_DIM: tl.constexpr, LATENT: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
+    WO_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x head, value block, output block): out[b, 0, r] += sum over the block's
-    values v of W_o[r, (h, v)] * (merged latent [b, h] . W_UV[h, v])."""
+    values v of W_o[r, (h, v)] * (merged latent [b, h] . W_UV[h, v]); WO_T: wo_ptr holds W_o^T."""
     b = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -185,8 +193,12 @@ def _reduce_project_output_kernel(
     v_ok = offs_v < V_DIM
     w = tl.load(w_ptr + head * stride_wh + offs_v[:, None] * stride_wv + offs_c[None, :],
                 mask=v_ok[:, None] & (offs_c[None, :] < LATENT), other=0.0)
-    w_o = tl.load(wo_ptr + rows[:, None].to(tl.int64) * stride_wo + head * V_DIM + offs_v[None, :],
-                  mask=(rows[:, None] < HIDDEN) & v_ok[None, :], other=0.0)
+    if WO_T:
+        w_o = tl.load(wo_ptr + (head * V_DIM + offs_v)[None, :].to(tl.int64) * stride_wo + rows[:, None],
+                      mask=(rows[:, None] < HIDDEN) & v_ok[None, :], other=0.0)
+    else:
+        w_o = tl.load(wo_ptr + rows[:, None].to(tl.int64) * stride_wo + head * V_DIM + offs_v[None, :],
+                      mask=(rows[:, None] < HIDDEN) & v_ok[None, :], other=0.0)
     seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")  # the step's input (pdl.py)
     wait_for_prior_grid(PDL)
     row = b.to(tl.int64)
@@ -232,7 +244,8 @@ def reduce_and_project(
     if w_uv.stride(-1) != 1:
         w_uv = w_uv.contiguous()
     if project.w_o is not None:
-        return _reduce_project_output(part_o, part_lse, seq_lens, w_uv, project.w_o, out, num_splits, block_n)
+        return _reduce_project_output(part_o, part_lse, seq_lens, w_uv, project.w_o, project.w_o_t, out, num_splits,
+                                      block_n)
     batch, heads, v_dim = out.shape
     rank = part_o.shape[-1]
     _reduce_project_kernel[(batch * heads, triton.cdiv(v_dim, PROJECT_BLOCK_V))](
@@ -252,20 +265,33 @@ def fuses_output(batch: int, heads: int, v_dim: int, hidden: int, device: torch.
     return PROJECT_OUTPUT and batch <= OUTPUT_MAX_ROWS and on_gpu_fits
 
 
+def transposed_o_proj(w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor | None:
+    """o_proj's weight transposed ([H * v, hidden], contiguous), which batch 1's fused merge reads
+    faster than the weight itself (see OUTPUT_BLOCK_R), where batch 1 fuses it; else None."""
+    heads, v_dim = w_uv.shape[0], w_uv.shape[1]
+    if not (TRANSPOSED_O_PROJ and w_o.is_cuda and fuses_output(1, heads, v_dim, w_o.shape[0], w_o.device)):
+        return None
+    return w_o.t().contiguous()
+
+
 def _reduce_project_output(
     part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, w_uv: torch.Tensor, w_o: torch.Tensor,
-    out: torch.Tensor, num_splits: int, block_n: int,
+    w_o_t: torch.Tensor | None, out: torch.Tensor, num_splits: int, block_n: int,
 ) -> torch.Tensor:
     """Merge, W_UV and o_proj in one launch, added into the zeroed float32 out [B, 1, hidden]."""
     batch, heads, rank = part_o.shape[0], part_o.shape[1], part_o.shape[-1]
     v_dim, hidden = w_uv.shape[1], w_o.shape[0]
-    if w_o.stride(-1) != 1:
+    if not TRANSPOSED_O_PROJ:
+        w_o_t = None
+    if w_o_t is not None:
+        w_o = w_o_t
+    elif w_o.stride(-1) != 1:
         w_o = w_o.contiguous()
     grid = (batch * heads, triton.cdiv(v_dim, PROJECT_BLOCK_V), triton.cdiv(hidden, OUTPUT_BLOCK_R))
     _reduce_project_output_kernel[grid](
         part_o, part_lse, seq_lens, w_uv, w_o, out, w_uv.stride(0), w_uv.stride(1), w_o.stride(0), heads,
         num_splits, HIDDEN=hidden, V_DIM=v_dim, LATENT=rank, BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S,
         BLOCK_C=triton.next_power_of_2(rank), BLOCK_V=PROJECT_BLOCK_V, BLOCK_R=min(OUTPUT_BLOCK_R, triton.next_power_of_2(hidden)),
-        num_warps=OUTPUT_WARPS, **pdl_launch(out),
+        WO_T=w_o_t is not None, num_warps=OUTPUT_WARPS, **pdl_launch(out),
     )
     return out
