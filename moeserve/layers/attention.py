@@ -27,6 +27,7 @@ from moeserve.config.model_config import ModelConfig
 from moeserve.core.batch import ForwardBatch
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryFrequencies
+from moeserve.layers.weight_copy import WeightCopy
 
 
 def use_mha_for_extend(extend_lens: list[int], prefix_lens: list[int], threshold: int) -> bool:
@@ -63,7 +64,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
         self.rotary = RotaryFrequencies(config.rope, self.rope_dim, config.rope_interleave)
-        self._o_proj_copy: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self._o_proj_copy = WeightCopy("o_proj's decode copy")
 
     def build_weight_copies(self) -> None:
         """Build now the copy of o_proj that decode reads (ops.transposed_o_proj), which would
@@ -73,13 +74,7 @@ class MLAAttention(nn.Module):
     def o_proj_copy(self) -> torch.Tensor | None:
         """o_proj's weight as batch-1 decode reads it fastest (ops.transposed_o_proj), or None;
         rebuilt whenever the weight is written."""
-        w = self.o_proj.weight
-        key = (w.data_ptr(), w._version)
-        if self._o_proj_copy is None or self._o_proj_copy[0] != key:
-            if w.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("o_proj's decode copy must be built before graph capture")
-            self._o_proj_copy = (key, ops.transposed_o_proj(self._w_uk_uv()[1], w))
-        return self._o_proj_copy[1]
+        return self._o_proj_copy.get(self.o_proj.weight, lambda w: ops.transposed_o_proj(self._w_uk_uv()[1], w))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into its key part [H, nope, rank] and value part [H, v, rank]."""

@@ -13,6 +13,7 @@ from torch import nn
 from moeserve import ops
 from moeserve.config.model_config import ModelConfig
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.weight_copy import WeightCopy
 
 # Up to this many tokens the shared experts run inside the fused MoE kernels as extra experts:
 # that saves three launches a layer and streams their weights at the MoE kernels' bandwidth.
@@ -155,7 +156,7 @@ class Experts(nn.Module):
         total = num_routed + num_shared
         self.w13_weight = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
-        self._shared_down: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._shared_down = WeightCopy("the shared experts' joined down weights")
 
     def add_shared(self, x: torch.Tensor, base: torch.Tensor, in_place: bool = True) -> torch.Tensor:
         """base + the shared experts' output, through dense GEMMs on their stacked slices: written
@@ -175,13 +176,13 @@ class Experts(nn.Module):
     def shared_down_weight(self) -> torch.Tensor:
         """The shared experts' down projections side by side, [H, S * I] (a copy, rebuilt whenever
         w2_weight is written), so that their down projection is one GEMM of K = S * I."""
-        key = (self.w2_weight.data_ptr(), self.w2_weight._version)
-        if self._shared_down is None or self._shared_down[0] != key:
-            if self.w2_weight.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the shared experts' joined down weights must be built before graph capture")
-            shared = self.w2_weight[self.num_routed :]
-            self._shared_down = (key, shared.permute(1, 0, 2).reshape(shared.shape[1], -1))
-        return self._shared_down[1]
+        def join(w2: torch.Tensor) -> torch.Tensor:
+            shared = w2[self.num_routed :]
+            return shared.permute(1, 0, 2).reshape(shared.shape[1], -1)
+
+        joined = self._shared_down.get(self.w2_weight, join)
+        assert joined is not None
+        return joined
 
 
 class MoE(nn.Module):

@@ -71,9 +71,9 @@ def test_activation_profile_leaves_out_weight_copies_built_on_first_use(v3_check
               disable_cuda_graph=True)  # fmt: skip
     runner = llm.core.runner
     experts = [m for m in runner.model.modules() if isinstance(m, Experts) and m.num_shared]
-    assert experts and all(m._shared_down is not None for m in experts)
+    assert experts and all(m._shared_down.built for m in experts)
     for m in experts:
-        m._shared_down = None  # as at start-up, before any prompt-size step built them
+        m._shared_down.reset()  # as at start-up, before any prompt-size step built them
     first = runner.profile_activation_peak(1024)
-    assert all(m._shared_down is not None for m in experts)
+    assert all(m._shared_down.built for m in experts)
     assert runner.profile_activation_peak(1024) == first

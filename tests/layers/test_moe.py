@@ -146,10 +146,10 @@ def test_model_builds_every_joined_copy_up_front(checkpoints):
     path = checkpoints["v3"]
     model = load_model(ModelConfig.from_path(path), path, torch.float32, torch.device("cpu"))
     layers = [m for m in model.modules() if isinstance(m, moe.MoE)]
-    assert layers and all(m.experts._shared_down is None for m in layers)
+    assert layers and all(not m.experts._shared_down.built for m in layers)
     model.build_weight_copies()
     for layer in layers:
         experts = layer.experts
-        joined = experts._shared_down[1]
+        joined = experts._shared_down.value
         want = torch.cat([experts.w2_weight[e] for e in range(experts.num_routed, experts.num_routed + experts.num_shared)], dim=1)
         assert torch.equal(joined, want)
