@@ -73,10 +73,20 @@ def entry_usable(x: torch.Tensor, w13: torch.Tensor, entry: Entry, programs: int
 
 
 @gluon.jit
-def stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN: gl.constexpr,
-                      H_PAD: gl.constexpr, layout: gl.constexpr):
+def load_gain(gain_ptr, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
+    """An RMSNorm's gain as [H_PAD, COLS] float32 (zeros past the width): a weight, so it loads
+    before the PDL wait, off the path of the norm it serves."""
+    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    return gl.load(gain_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def stage_next_input(x_rows, out_ptr, res_ptr, gain, sum_ptr, eps, HIDDEN: gl.constexpr, H_PAD: gl.constexpr,
+                      layout: gl.constexpr):
     """x_rows <- rms_norm(out + residual) * gain, rounded as the add + norm kernels round (the sum
-    to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual)."""
+    to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual).
+    `gain`: from `load_gain`, read before the kernel's waits."""
     r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
     ok = r < HIDDEN // _COLS
@@ -88,7 +98,6 @@ def stage_next_input(x_rows, out_ptr, res_ptr, gain_ptr, sum_ptr, eps, HIDDEN: g
     xf = x.to(gl.float32)
     mean_sq = gl.sum(gl.sum(xf * xf, axis=1), axis=0) / HIDDEN
     normed = (xf * gl.rsqrt(mean_sq + eps)).to(res.dtype).to(gl.float32)
-    gain = gl.load(gain_ptr + r * _COLS + c, mask=ok, other=0.0).to(gl.float32)
     x_rows.store((normed * gain).to(res.dtype))
     gl.thread_barrier()
 
