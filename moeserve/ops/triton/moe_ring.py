@@ -401,7 +401,7 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
                                  early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     acc_all.store(gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l))
     if ENTRY:
-        w_row = load_router_row(router_ptr, ROUTED, HIDDEN, H_PAD, _COLS, flat)
+        w_row = load_router_row(router_ptr, ROUTED, HIDDEN, H_PAD, flat)
     # Read here rather than after the waits, where each was a round trip on the path: the norms'
     # gains and the tail's piece code (H200 b1 decode replay 1.710 -> 1.674 ms).
     entry_gain = load_gain(entry_gain_ptr, HIDDEN, H_PAD, flat) if ENTRY else 0.0

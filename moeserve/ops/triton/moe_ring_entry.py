@@ -73,12 +73,19 @@ def entry_usable(x: torch.Tensor, w13: torch.Tensor, entry: Entry, programs: int
 
 
 @gluon.jit
-def load_gain(gain_ptr, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
-    """An RMSNorm's gain as [H_PAD, COLS] float32 (zeros past the width): a weight, so it loads
-    before the PDL wait, off the path of the norm it serves."""
+def _load_row(ptr, valid, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
+    """A row of HIDDEN values as [H_PAD, COLS] rows of COLS (zeros past the width, or everywhere
+    where not `valid`)."""
     r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    return gl.load(gain_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0).to(gl.float32)
+    return gl.load(ptr + r * _COLS + c, mask=(r < HIDDEN // _COLS) & valid, other=0.0)
+
+
+@gluon.jit
+def load_gain(gain_ptr, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
+    """An RMSNorm's gain as [H_PAD, COLS] float32: a weight, so it loads before the PDL wait, off
+    the path of the norm it serves."""
+    return _load_row(gain_ptr, True, HIDDEN, H_PAD, layout).to(gl.float32)
 
 
 @gluon.jit
@@ -104,13 +111,11 @@ def stage_next_input(x_rows, out_ptr, res_ptr, gain, sum_ptr, eps, HIDDEN: gl.co
 
 @gluon.jit
 def load_router_row(router_ptr, ROUTED: gl.constexpr, HIDDEN: gl.constexpr, H_PAD: gl.constexpr,
-                    COLS: gl.constexpr, layout: gl.constexpr):
+                    layout: gl.constexpr):
     """This program's expert's router row as [H_PAD, COLS] (zeros past the experts): a weight, so
     it loads before the PDL wait."""
-    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
-    c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
     pid = gl.program_id(0)
-    return gl.load(router_ptr + pid * HIDDEN + r * COLS + c, mask=(r < HIDDEN // COLS) & (pid < ROUTED), other=0.0)
+    return _load_row(router_ptr + pid * HIDDEN, pid < ROUTED, HIDDEN, H_PAD, layout)
 
 
 @gluon.jit
