@@ -18,14 +18,11 @@ from tests.ops.test_triton_attention import (
     TOL,
     mla_inputs,
     paged_cache,
-    poisoned,
     rel_err,
 )
 
 hopper = pytest.importorskip("moeserve.ops.triton.mla_decode_hopper")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-__all__ = ["poisoned"]  # the fixture, used by name below
-
 
 def test_the_hopper_split_declines_cpu_tensors_and_other_shapes():
     q_latent, q_rope = mla_inputs(1, 16, RANK, ROPE, torch.bfloat16, torch.Generator().manual_seed(0), device="cpu")

@@ -19,11 +19,8 @@ from tests.ops.test_triton_attention import (
     TOL,
     mla_inputs,
     paged_cache,
-    poisoned,
     rel_err,
 )
-
-__all__ = ["poisoned"]  # the fixture, used by name below
 
 
 def decode_inputs(seq_lens, heads, rank, rope, v_dim, page_size, dtype, kv_dtype, gen):
