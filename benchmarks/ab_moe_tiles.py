@@ -32,22 +32,22 @@ from moeserve.ops.triton.moe_config import validate_config  # noqa: E402
 SMEM_BYTES = 200 * 1024  # what a tile's stages may take (H100 / H200 give 227 KB a block)
 
 
-def tile_grid(part: str, block_m: int) -> list[dict]:
-    """Candidate tiles of one GEMM whose pipelined operands fit in shared memory."""
+def tile_grid(part: str, block_m: int, warp_counts: tuple[int, ...] = (4, 8)) -> list[dict]:
+    """Candidate tiles of one GEMM whose pipelined operands fit in shared memory (the shipped grouping kept)."""
     out = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)):
+    for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), warp_counts, (3, 4, 5)):
         rows = 2 * bn if part == "up" else bn
         if stages * (rows + block_m) * bk * 2 <= SMEM_BYTES:
-            out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": warps, "num_stages": stages})
+            out.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
     return out
 
 
-def candidates(shipped: dict, part: str, tokens: int) -> list[tuple[str, dict]]:
+def candidates(shipped: dict, part: str, tokens: int, warp_counts: tuple[int, ...] = (4, 8)) -> list[tuple[str, dict]]:
     """(name, config) for each tile of `part` (or both parts, one at a time) in place of the shipped one."""
     parts = ("up", "down") if part == "both" else (part,)
     out = []
     for p in parts:
-        for tile in tile_grid(p, shipped["BLOCK_M"]):
+        for tile in tile_grid(p, shipped["BLOCK_M"], warp_counts):
             if all(shipped[p].get(k) == v for k, v in tile.items()):
                 continue
             config = {**shipped, p: {**shipped[p], **tile}}
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--confirm", type=int, default=4, help="best candidates timed again")
     ap.add_argument("--confirm-rounds", type=int, default=3)
+    ap.add_argument("--warps", default="4,8", help="warp counts to try")
     a = ap.parse_args()
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     core = decode_engine(a.model, a.load_format, sizes, a.kv_cache_dtype)
@@ -121,7 +122,7 @@ def main() -> None:
     records = []
     for bs in sizes:
         experts, shipped = shipped_call(core, bs)
-        grid = candidates(shipped, a.part, bs)
+        grid = candidates(shipped, a.part, bs, tuple(int(w) for w in a.warps.split(",")))
         steps = (len(grid) + 1) * (a.rounds * 4 + 2) + (a.confirm + 1) * a.confirm_rounds * 4 + 64
         ids = start_batch(core, bs, a.input_len, steps, "tiles", 11 * bs)
         sweep = time_variants(core, bs, experts, [("shipped", None), *grid], a.rounds)
