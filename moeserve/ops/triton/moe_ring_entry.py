@@ -73,12 +73,20 @@ def entry_usable(x: torch.Tensor, w13: torch.Tensor, entry: Entry, programs: int
 
 
 @gluon.jit
+def _row_offsets(HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
+    """Offsets of a row of HIDDEN values viewed as [H_PAD, COLS] rows of COLS, and the mask of
+    those inside the width."""
+    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    return r * _COLS + c, r < HIDDEN // _COLS
+
+
+@gluon.jit
 def _load_row(ptr, valid, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
     """A row of HIDDEN values as [H_PAD, COLS] rows of COLS (zeros past the width, or everywhere
     where not `valid`)."""
-    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
-    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    return gl.load(ptr + r * _COLS + c, mask=(r < HIDDEN // _COLS) & valid, other=0.0)
+    offs, inside = _row_offsets(HIDDEN, H_PAD, layout)
+    return gl.load(ptr + offs, mask=inside & valid, other=0.0)
 
 
 @gluon.jit
@@ -94,14 +102,12 @@ def stage_next_input(x_rows, out_ptr, res_ptr, gain, sum_ptr, eps, HIDDEN: gl.co
     """x_rows <- rms_norm(out + residual) * gain, rounded as the add + norm kernels round (the sum
     to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual).
     `gain`: from `load_gain`, read before the kernel's waits."""
-    r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
-    c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    ok = r < HIDDEN // _COLS
-    part = gl.load(out_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
-    res = gl.load(res_ptr + r * _COLS + c, mask=ok, other=0.0, cache_modifier=".cg")  # maybe this launch's sum
+    offs, ok = _row_offsets(HIDDEN, H_PAD, layout)
+    part = gl.load(out_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
+    res = gl.load(res_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")  # maybe this launch's sum
     x = (part.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype)
     if gl.program_id(0) == 0:
-        gl.store(sum_ptr + r * _COLS + c, x, mask=ok)
+        gl.store(sum_ptr + offs, x, mask=ok)
     xf = x.to(gl.float32)
     mean_sq = gl.sum(gl.sum(xf * xf, axis=1), axis=0) / HIDDEN
     normed = (xf * gl.rsqrt(mean_sq + eps)).to(res.dtype).to(gl.float32)
