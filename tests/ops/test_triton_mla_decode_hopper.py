@@ -24,6 +24,7 @@ from tests.ops.test_triton_attention import (
 hopper = pytest.importorskip("moeserve.ops.triton.mla_decode_hopper")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
+
 def test_the_hopper_split_declines_cpu_tensors_and_other_shapes():
     q_latent, q_rope = mla_inputs(1, 16, RANK, ROPE, torch.bfloat16, torch.Generator().manual_seed(0), device="cpu")
     cache = torch.zeros(4, 16, RANK + ROPE, dtype=torch.bfloat16)
