@@ -45,6 +45,7 @@ from moeserve.ops.triton.moe_ring_entry import (
     load_gain,
     load_router_row,
     route_in_ring,
+    row_offsets,
     stage_next_input,
 )
 from moeserve.ops.triton.moe_ring_plan import (
@@ -426,9 +427,8 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count, True,
                                  HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     if not ENTRY:  # the token, normalised by the kernel before (after the copies above are issued)
-        r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, flat))[:, None]
-        c = gl.arange(0, _COLS, layout=gl.SliceLayout(0, flat))[None, :]
-        x_rows.store(gl.load(x_ptr + r * _COLS + c, mask=r < HIDDEN // _COLS, other=0.0, cache_modifier=".cg"))
+        offs, inside = row_offsets(HIDDEN, H_PAD, flat)
+        x_rows.store(gl.load(x_ptr + offs, mask=inside, other=0.0, cache_modifier=".cg"))
         gl.thread_barrier()
     stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
     issued, consumed, piece, item, zeroed = _moe_pieces(

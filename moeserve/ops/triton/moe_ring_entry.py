@@ -73,7 +73,7 @@ def entry_usable(x: torch.Tensor, w13: torch.Tensor, entry: Entry, programs: int
 
 
 @gluon.jit
-def _row_offsets(HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
+def row_offsets(HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
     """Offsets of a row of HIDDEN values viewed as [H_PAD, COLS] rows of COLS, and the mask of
     those inside the width."""
     r = gl.arange(0, H_PAD, layout=gl.SliceLayout(1, layout))[:, None]
@@ -85,7 +85,7 @@ def _row_offsets(HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr
 def _load_row(ptr, valid, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, layout: gl.constexpr):
     """A row of HIDDEN values as [H_PAD, COLS] rows of COLS (zeros past the width, or everywhere
     where not `valid`)."""
-    offs, inside = _row_offsets(HIDDEN, H_PAD, layout)
+    offs, inside = row_offsets(HIDDEN, H_PAD, layout)
     return gl.load(ptr + offs, mask=inside & valid, other=0.0)
 
 
@@ -102,7 +102,7 @@ def stage_next_input(x_rows, out_ptr, res_ptr, gain, sum_ptr, eps, HIDDEN: gl.co
     """x_rows <- rms_norm(out + residual) * gain, rounded as the add + norm kernels round (the sum
     to the residual's dtype, then the normalised row); program 0 stores the sum (the next residual).
     `gain`: from `load_gain`, read before the kernel's waits."""
-    offs, ok = _row_offsets(HIDDEN, H_PAD, layout)
+    offs, ok = row_offsets(HIDDEN, H_PAD, layout)
     part = gl.load(out_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")  # other programs' atomics
     res = gl.load(res_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")  # maybe this launch's sum
     x = (part.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype)
