@@ -8,6 +8,7 @@ import statistics
 import time
 
 from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
+from moeserve.bench.gpu_clocks import GpuClocks
 from moeserve.engine.generate_cli import add_engine_args, engine_config
 
 
@@ -120,7 +121,8 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
     # Warm-up and floor prompts come from streams of their own: drawn from seed + 1, a run at
     # s + 1 timed the prompts the run at s had warmed up, straight from the prefix cache.
     run_batch(core, random_prompts(batch_size, input_len, vocab, seed, "warmup"), 4, "warmup")
-    res = run_batch(core, random_prompts(batch_size, input_len, vocab, seed), output_len, "timed")
+    with GpuClocks() as clocks:
+        res = run_batch(core, random_prompts(batch_size, input_len, vocab, seed), output_len, "timed")
     step_ms = statistics.median(res["decode_ms"]) if res["decode_ms"] else None
     fields = dict(
         workload={"batch_size": batch_size, "input_len": input_len, "output_len": output_len},
@@ -132,6 +134,7 @@ def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, a
         prefill_steps=len(res["prefill_ms"]),
         prefill_step_ms=[round(ms, 1) for ms in res["prefill_ms"]],
         decode_tok_s=round(batch_size * 1000 / step_ms, 1) if step_ms else None,
+        gpu_clocks=clocks.summary,
     )
     if step_ms:
         # Where the mean leaves the median: steps that took much longer than the typical one.

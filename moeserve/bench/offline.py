@@ -7,6 +7,7 @@ import logging
 import time
 
 from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
+from moeserve.bench.gpu_clocks import GpuClocks
 from moeserve.engine.generate_cli import add_engine_args, engine_config
 
 
@@ -30,19 +31,21 @@ def measure(core, num_prompts: int, input_len: int, output_len: int, seed: int, 
         core.step()
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     retractions = core.scheduler.stats.num_retractions
-    start = time.perf_counter()
-    for i, p in enumerate(random_prompts(num_prompts, input_len, vocab, seed)):
-        core.add_request(f"offline-{i}", p, params)
-    generated = 0
-    while core.has_unfinished_requests():
-        generated += sum(len(o.new_token_ids) for o in core.step())
-    seconds = time.perf_counter() - start
+    with GpuClocks() as clocks:
+        start = time.perf_counter()
+        for i, p in enumerate(random_prompts(num_prompts, input_len, vocab, seed)):
+            core.add_request(f"offline-{i}", p, params)
+        generated = 0
+        while core.has_unfinished_requests():
+            generated += sum(len(o.new_token_ids) for o in core.step())
+        seconds = time.perf_counter() - start
     return dict(
         workload={"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len},
         seconds=round(seconds, 3),
         out_tok_s=round(generated / seconds, 1),
         total_tok_s=round((generated + num_prompts * input_len) / seconds, 1),
         retractions=core.scheduler.stats.num_retractions - retractions,
+        gpu_clocks=clocks.summary,
     )
 
 
