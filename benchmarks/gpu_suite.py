@@ -67,7 +67,8 @@ def latency_part(model: str, read_gbs: float, out: list, kw: dict, workloads: li
         # seed share their first rows, which the prefix cache would then serve (64 of b256's 256).
         fields = latency.measure(core, bs, 1024, 256, 100 * bs, True, read_gbs)
         out.append(record(name, "cuda", **fields, engine=desc))
-        print(name, {k: fields[k] for k in ("out_tok_s", "ttft_s", "median_decode_step_ms", "floor_ratio") if k in fields}, flush=True)
+        keys = ("out_tok_s", "ttft_s", "median_decode_step_ms", "floor_ratio", "gpu_clocks")
+        print(name, {k: fields[k] for k in keys if k in fields}, flush=True)
         print(f"  {fields['prefill_steps']} prefill steps (ms): {fields['prefill_step_ms'][:40]}", flush=True)
 
 
