@@ -6,10 +6,14 @@ import argparse
 import logging
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
 from moeserve.bench.gpu_clocks import GpuClocks
 from moeserve.engine.generate_cli import add_engine_args, engine_config
+
+if TYPE_CHECKING:
+    from moeserve.engine.engine import EngineCore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
     """Submit all prompts, step to completion; return step times split into prefill and decode,
     and for each decode step the keys its attention read (summed over requests)."""
     from moeserve import SamplingParams
@@ -60,7 +64,7 @@ def run_batch(core, prompts: list[list[int]], output_len: int, tag: str) -> dict
             "seconds": seconds, "generated": generated}
 
 
-def decode_floor(core, prompts: list[list[int]], read_gbs: float | None) -> dict:
+def decode_floor(core: EngineCore, prompts: list[list[int]], read_gbs: float | None) -> dict:
     """Run one eager decode step with routing counted -> the bytes any decode step of this batch
     reads whatever its context (dense weights, touched experts), the KV bytes a key adds, and the
     read bandwidth; `step_floors` turns them into each step's floor."""
@@ -114,7 +118,7 @@ def step_floors(floor: dict, decode_ms: list[float], decode_keys: list[int]) -> 
                 floor_ratio_p90=round(p90, 3), floor_ratio_max=round(ratios[-1], 3))
 
 
-def measure(core, batch_size: int, input_len: int, output_len: int, seed: int, analyze_floor: bool,
+def measure(core: EngineCore, batch_size: int, input_len: int, output_len: int, seed: int, analyze_floor: bool,
             read_gbs: float | None = None) -> dict:
     """Warm up, time one batch; optionally compare each decode step with its HBM floor."""
     vocab = core.model_config.vocab_size

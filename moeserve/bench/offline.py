@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from moeserve.bench.common import add_workload_args, random_prompts, record, write_results
 from moeserve.bench.gpu_clocks import GpuClocks
 from moeserve.engine.generate_cli import add_engine_args, engine_config
+
+if TYPE_CHECKING:
+    from moeserve.engine.engine import EngineCore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def measure(core, num_prompts: int, input_len: int, output_len: int, seed: int, warmup: int = 4) -> dict:
+def measure(core: EngineCore, num_prompts: int, input_len: int, output_len: int, seed: int, warmup: int = 4) -> dict:
     """All prompts submitted at once to an existing engine; wall time around the whole run."""
     from moeserve import SamplingParams
 

@@ -11,7 +11,7 @@ from moeserve.layers.moe import MoE, Router
 from moeserve.models.deepseek import DeepseekForCausalLM
 
 
-def time_ms(fn, iters: int = 20) -> float:
+def time_ms(fn: Callable[[], object], iters: int = 20) -> float:
     """Median milliseconds of `fn` over `iters` runs, with CUDA events, after a warm-up."""
     fn()
     torch.cuda.synchronize()

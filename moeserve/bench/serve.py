@@ -18,7 +18,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moeserve.engine.tokenizer import Tokenizer
 
 # Requests stream for as long as the server takes; only a dead connection should end them.
 REQUEST_TIMEOUT_S = 6 * 3600
@@ -93,7 +96,7 @@ def random_requests(num: int, input_len: int, output_len: int, ratio: float, voc
     return [BenchRequest([rng.randrange(low, vocab_size) for _ in range(i)], i, o) for i, o in zip(ins, outs, strict=True)]
 
 
-def sharegpt_requests(path: str, num: int, tokenizer, output_len: int | None, seed: int) -> list[BenchRequest]:
+def sharegpt_requests(path: str, num: int, tokenizer: Tokenizer | None, output_len: int | None, seed: int) -> list[BenchRequest]:
     """First human turn as the prompt, the reply's length as the output length (vLLM's filtering)."""
     if tokenizer is None and output_len is None:
         raise ValueError("sharegpt needs a tokenizer (--tokenizer) or a fixed --sharegpt-output-len")
@@ -114,7 +117,7 @@ def sharegpt_requests(path: str, num: int, tokenizer, output_len: int | None, se
     raise ValueError(f"{path} has only {len(requests)} usable conversations, fewer than --num-prompts {num}")
 
 
-def _load_tokenizer(args: argparse.Namespace):
+def _load_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
     from moeserve.engine.tokenizer import Tokenizer
 
     for candidate in (args.tokenizer, args.model):
@@ -127,7 +130,7 @@ def _load_tokenizer(args: argparse.Namespace):
     return None
 
 
-def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+def build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[BenchRequest]:
     """The benchmark's prompts."""
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
@@ -151,7 +154,7 @@ def _stream_text(obj: dict) -> str:
     return choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
 
 
-async def send_request(client, url: str, headers: dict, model: str, req: BenchRequest, args: argparse.Namespace) -> RequestResult:
+async def send_request(client: Any, url: str, headers: dict, model: str, req: BenchRequest, args: argparse.Namespace) -> RequestResult:
     """Stream one completion, timing the first token and every gap after it."""
     payload: dict[str, Any] = {
         "model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": args.temperature,

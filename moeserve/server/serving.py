@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.core.sampling_params import SamplingParams
-from moeserve.engine.output_processor import RequestState
+from moeserve.engine.output_processor import RequestDelta, RequestState
 from moeserve.engine.tokenizer import Tokenizer
 from moeserve.server.chat import ChatTemplate
 from moeserve.server.engine_client import EngineClient
@@ -69,7 +69,7 @@ def chat_prompt(tokenizer: Tokenizer | None, template: ChatTemplate | None, req:
     )
 
 
-async def collect(group: RequestGroup, item) -> dict[int, RequestState]:
+async def collect(group: RequestGroup, item: tuple[int, RequestDelta] | None) -> dict[int, RequestState]:
     """Every choice's final state (for a non-streamed response)."""
     states: dict[int, RequestState] = {}
     while item is not None:

@@ -450,7 +450,8 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
 
 
 def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, fixed_tail: int = 0, then: Tail | None = None, entry: Entry | None = None):
+             topk_ids: torch.Tensor, fixed_tail: int = 0, then: Tail | None = None,
+             entry: Entry | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[1, 1, H] float32: one token's weighted sum over its k experts of down(silu(gate) * up).
 
     `fixed_tail`: the last `fixed_tail` of the token's ids are known to be experts E - fixed_tail

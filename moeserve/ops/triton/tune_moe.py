@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -118,7 +119,7 @@ def candidate_gemms(grouping: Config, part: str, itemsize: int, quick: bool, tma
     return cands
 
 
-def time_us(fn, iters: int, flush: torch.Tensor | None) -> float:
+def time_us(fn: Callable[[], object], iters: int, flush: torch.Tensor | None) -> float:
     """Median GPU microseconds of `fn`, with L2 flushed before each call on the GPU.
 
     On the GPU `fn` is captured in a CUDA graph and replayed, as the model runs it: timing eager
@@ -188,7 +189,7 @@ def _best_gemm(run, plan: RoutePlan, part: str, cands: list[dict], iters: int, f
     return best, best_us
 
 
-def tune_grouping(grouping: Config, inputs: dict, search: dict, flush) -> tuple[Config, dict]:
+def tune_grouping(grouping: Config, inputs: dict, search: dict, flush: torch.Tensor | None) -> tuple[Config, dict]:
     """Best tiles for both GEMMs under one grouping -> (full config, timings in us)."""
     hidden, w13, w2 = inputs["hidden"], inputs["w13"], inputs["w2"]
     item, quick, cap, iters = hidden.element_size(), search["quick"], search["max_candidates"], search["iters"]
@@ -238,7 +239,7 @@ def make_inputs(tokens: int, weights: tuple[torch.Tensor, torch.Tensor], topk: i
     }
 
 
-def tune_batch(tokens: int, weights: tuple, topk: int, search: dict, flush, shared: int = 0) -> tuple[Config, dict]:
+def tune_batch(tokens: int, weights: tuple, topk: int, search: dict, flush: torch.Tensor | None, shared: int = 0) -> tuple[Config, dict]:
     """The fastest config for one batch size and all candidates' timings."""
     inputs = make_inputs(tokens, weights, topk, shared)
     results = []
