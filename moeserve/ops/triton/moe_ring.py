@@ -67,6 +67,7 @@ from moeserve.ops.triton.moe_ring_plan import (
     tail_usable,
     x_pad,
 )
+from moeserve.ops.triton.moe_ring_sync import add_into_output, grid_barrier, release, zero_output
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 __all__ = ["Entry", "Tail", "entry_usable", "moe_ring", "ring_usable", "tail_usable"]
@@ -232,17 +233,6 @@ def _down(stream, ring, act, out_rows, issued, consumed, piece, item, ITEMS: gl.
 
 
 @gluon.jit
-def _grid_barrier(sync_ptr):
-    """Wait until every program has arrived (counter sync[0]); each program's earlier writes,
-    every thread's, are visible to all after it (a release arrival after a CTA barrier)."""
-    gl.thread_barrier()
-    gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    while gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < gl.num_programs(0):
-        pass
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, tail_code, HIDDEN: gl.constexpr,
           INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr, SLOTS: gl.constexpr,
           UPH: gl.constexpr, TI: gl.constexpr, HAS_BIAS: gl.constexpr, layout: gl.constexpr):
@@ -308,29 +298,6 @@ def _moe_pieces(stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_coun
 
 
 @gluon.jit
-def _add_into_output(out_ptr, acc_all, sync_ptr, zeroed, o_rows, o_cols, HIDDEN: gl.constexpr, out_l: gl.constexpr):
-    """Once out is seen zeroed (program 0 raises sync[1]), the program's float32 output row is added
-    into it by atomics."""
-    while zeroed < 1:
-        zeroed = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-    gl.atomic_add(out_ptr + o_rows * _WIDE_H + o_cols, acc_all.load(out_l), mask=o_rows < HIDDEN // _WIDE_H,
-                  sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def _release(ready, sync_ptr, last, SLOTS: gl.constexpr):
-    """The ring's barriers invalidated; the last program out (`last`) resets the counters for the
-    next launch, since every program is past its waits."""
-    for i in gl.static_range(SLOTS):
-        mbarrier.invalidate(ready.index(i))
-    if last:
-        gl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
 def _shared_buffers(w13_desc, w2w_desc, w2n_desc, SLOTS: gl.constexpr, H_PAD: gl.constexpr, ACC_ROWS: gl.constexpr):
     """The kernel's shared memory: the ring (as gate/up, wide and narrow down boxes) and its ready
     barriers, the staged token (as rows and as S-row boxes), the float32 output row (narrow and wide
@@ -354,6 +321,54 @@ def _shared_buffers(w13_desc, w2w_desc, w2n_desc, SLOTS: gl.constexpr, H_PAD: gl
     act_w = act._reinterpret(gl.float32, [1, _WIDE], rows_of)
     act_n = act._reinterpret(gl.float32, [_WIDE // _NARROW, _NARROW], rows_of)
     return (ring, ring_w, ring_n), ready, x_rows, x_smem, (acc_n, acc), acc_all, act, (act_n, act_w)
+
+
+@gluon.jit
+def _work(table_ptr, pid, WIDTH: gl.constexpr):
+    """The program's row of the host's work table -> (its piece codes, how many of its items may go
+    out before the PDL wait, its piece count, its MoE piece count: the tail's piece, if any, is last)."""
+    head = table_ptr + pid * WIDTH
+    return head + _HEAD, gl.load(head), gl.load(head + 1), gl.load(head + 2)
+
+
+@gluon.jit
+def _reads_before_wait(router_ptr, entry_gain_ptr, gain_ptr, pieces_ptr, count, moe_count, ROUTED: gl.constexpr,
+                       HIDDEN: gl.constexpr, H_PAD: gl.constexpr, ENTRY: gl.constexpr, TAIL: gl.constexpr,
+                       flat: gl.constexpr):
+    """What needs no earlier kernel's output: the router's row, the norms' gains, the tail's piece code.
+    Read before the waits, where each was a round trip on the path (H200 b1 replay 1.710 -> 1.674 ms)."""
+    w_row = load_router_row(router_ptr, ROUTED, HIDDEN, H_PAD, flat) if ENTRY else 0.0
+    entry_gain = load_gain(entry_gain_ptr, HIDDEN, H_PAD, flat) if ENTRY else 0.0
+    gain = load_gain(gain_ptr, HIDDEN, H_PAD, flat) if TAIL else 0.0
+    tail_code = gl.load(pieces_ptr + moe_count, mask=moe_count < count, other=0) if TAIL else 0
+    return w_row, entry_gain, gain, tail_code
+
+
+@gluon.jit
+def _stage_token(x_rows, x_ptr, HIDDEN: gl.constexpr, H_PAD: gl.constexpr, flat: gl.constexpr):
+    """The token's row, already normalised by the kernel before, into shared memory for every warp."""
+    offs, inside = row_offsets(HIDDEN, H_PAD, flat)
+    x_rows.store(gl.load(x_ptr + offs, mask=inside, other=0.0, cache_modifier=".cg"))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _next_layer(stream, x_rows, x_smem, rows, sync_ptr, n, issued, consumed, piece, item, moe_count, tail_code,
+                HIDDEN: gl.constexpr, INTER: gl.constexpr, NSLOTS: gl.constexpr, EXPERTS: gl.constexpr,
+                SLOTS: gl.constexpr, UPH: gl.constexpr, TI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                H_PAD: gl.constexpr, flat: gl.constexpr, tail_l: gl.constexpr):
+    """The tail: once every program's output is in (a grid barrier), the next layer's add + norm of
+    it and the program's rows of the next projection. `rows`: (out, res, gain, sum, eps, bias, proj).
+    -> whether this program, of the n, is the last one past the barrier."""
+    out_ptr, res_ptr, gain, sum_ptr, eps, bias_ptr, proj_ptr = rows
+    grid_barrier(sync_ptr)
+    # Past the barrier, so the counters may be reset once every program is: the last one to
+    # count itself does it, at the end (the count's round trip overlaps the tail's work).
+    last = gl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == n - 1
+    stage_next_input(x_rows, out_ptr, res_ptr, gain, sum_ptr, eps, HIDDEN, H_PAD, flat)
+    _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, tail_code, HIDDEN, INTER,
+          NSLOTS, EXPERTS, SLOTS, UPH, TI, HAS_BIAS, tail_l)
+    return last
 
 
 @gluon.jit
@@ -390,32 +405,19 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     rings, ready, x_rows, x_smem, accs, acc_all, act, acts = _shared_buffers(w13_desc, w2w_desc, w2n_desc, SLOTS,
                                                                              H_PAD, ACC_ROWS)
     descs = (w13_desc, w2w_desc, w2n_desc, tail_desc)
-    head = table_ptr + pid * WIDTH
-    pieces_ptr = head + _HEAD
-    early = gl.load(head)
-    count = gl.load(head + 1)
-    moe_count = gl.load(head + 2)
+    pieces_ptr, early, count, moe_count = _work(table_ptr, pid, WIDTH)
     zero = pid * 0  # loop-carried counters must start as tensors
     # The shared experts' weights need no routing: issue them before waiting for the router.
     # (As if SLOTS - EARLY items were already in use, so at most EARLY are issued.)
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, zero, zero + EARLY - SLOTS, zero, zero,
                                  early, False, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     acc_all.store(gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l))
-    if ENTRY:
-        w_row = load_router_row(router_ptr, ROUTED, HIDDEN, H_PAD, flat)
-    # Read here rather than after the waits, where each was a round trip on the path: the norms'
-    # gains and the tail's piece code (H200 b1 decode replay 1.710 -> 1.674 ms).
-    entry_gain = load_gain(entry_gain_ptr, HIDDEN, H_PAD, flat) if ENTRY else 0.0
-    gain = load_gain(gain_ptr, HIDDEN, H_PAD, flat) if TAIL else 0.0
-    tail_code = gl.load(pieces_ptr + moe_count, mask=moe_count < count, other=0) if TAIL else 0
+    w_row, entry_gain, gain, tail_code = _reads_before_wait(router_ptr, entry_gain_ptr, gain_ptr, pieces_ptr, count,
+                                                            moe_count, ROUTED, HIDDEN, H_PAD, ENTRY, TAIL, flat)
     o_rows = gl.arange(0, ACC_ROWS, layout=gl.SliceLayout(1, out_l))[:, None]
     o_cols = gl.arange(0, _WIDE_H, layout=gl.SliceLayout(0, out_l))[None, :]
     wait_for_prior_grid(True)  # the shared PDL wait (always on: a no-op without a PDL launch)
-    if pid == 0:
-        gl.store(out_ptr + o_rows * _WIDE_H + o_cols, gl.zeros([ACC_ROWS, _WIDE_H], gl.float32, out_l),
-                 mask=o_rows < HIDDEN // _WIDE_H)
-        gl.thread_barrier()
-        gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+    zero_output(out_ptr, sync_ptr, pid, o_rows, o_cols, ACC_ROWS, HIDDEN, out_l)
     consumed = zero
     if ENTRY:  # the MoE's add + norm and routing first; the selection is then this program's scratch row
         weights_ptr += pid * K_PAD
@@ -427,26 +429,20 @@ def _moe_ring_kernel(x_ptr, w13_desc, w2w_desc, w2n_desc, tail_desc, weights_ptr
     issued, piece, item = _issue(descs, rings, ready, pieces_ptr, ids_ptr, issued, consumed, piece, item, count, True,
                                  HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI)
     if not ENTRY:  # the token, normalised by the kernel before (after the copies above are issued)
-        offs, inside = row_offsets(HIDDEN, H_PAD, flat)
-        x_rows.store(gl.load(x_ptr + offs, mask=inside, other=0.0, cache_modifier=".cg"))
-        gl.thread_barrier()
+        _stage_token(x_rows, x_ptr, HIDDEN, H_PAD, flat)
     stream = (descs, rings, ready, pieces_ptr, ids_ptr, count)
     issued, consumed, piece, item, zeroed = _moe_pieces(
         stream, x_smem, act, acts, accs, weights_ptr, sync_ptr, moe_count, issued, consumed, piece,
         item, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS, UPH, TI, CHECK_EARLY, up_l, narrow_l, wide_l,
     )
-    _add_into_output(out_ptr, acc_all, sync_ptr, zeroed, o_rows, o_cols, HIDDEN, out_l)
+    add_into_output(out_ptr, acc_all, sync_ptr, zeroed, o_rows, o_cols, HIDDEN, out_l)
     if TAIL:
-        _grid_barrier(sync_ptr)
-        # Past the barrier, so the counters may be reset once every program is: the last one to
-        # count itself does it, at the end (the count's round trip overlaps the tail's work).
-        last = gl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == n - 1
-        stage_next_input(x_rows, out_ptr, res_ptr, gain, sum_ptr, eps, HIDDEN, H_PAD, flat)
-        _tail(stream, x_smem, bias_ptr, proj_ptr, issued, consumed, piece, item, moe_count, tail_code, HIDDEN, INTER,
-              NSLOTS, EXPERTS, SLOTS, UPH, TI, HAS_BIAS, tail_l)
+        last = _next_layer(stream, x_rows, x_smem, (out_ptr, res_ptr, gain, sum_ptr, eps, bias_ptr, proj_ptr), sync_ptr,
+                           n, issued, consumed, piece, item, moe_count, tail_code, HIDDEN, INTER, NSLOTS, EXPERTS, SLOTS,
+                           UPH, TI, HAS_BIAS, H_PAD, flat, tail_l)
     else:
         last = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-    _release(ready, sync_ptr, last, SLOTS)
+    release(ready, sync_ptr, last, SLOTS)
 
 
 def moe_ring(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
