@@ -245,6 +245,17 @@ def _clear_row(clear_ptr, b, split, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(clear_ptr + b * WIDTH + offs, tl.zeros_like(offs).to(tl.float32), mask=offs < WIDTH)
 
 
+@triton.jit
+def _program_rows(q_block, head_groups, q_start, q_len, prefix, num_heads, BLOCK_Q: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """The program's BLOCK_Q x BLOCK_H query rows (token-major) -> (head, valid, key position, query row)."""
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)
+    tok = q_block * BLOCK_Q + offs_m // BLOCK_H
+    head = (tl.program_id(0) % head_groups) * BLOCK_H + offs_m % BLOCK_H
+    row_ok = (tok < q_len) & (head < num_heads)
+    return head, row_ok, prefix + tok, (q_start + tok).to(tl.int64)
+
+
 # Ints that change from batch to batch are not specialised (a value of 1 or a multiple of 16
 # would otherwise compile a new variant mid-serving, a second-long stall).
 @triton.jit(do_not_specialize=["stride_table", "num_q_blocks", "num_splits"])
@@ -274,12 +285,7 @@ def _mla_split_kernel(
     hi = tl.minimum(lo + chunk, tl.minimum(seq_len, prefix + (q_block + 1) * BLOCK_Q))
     if SPLIT_KV and lo >= hi:
         return  # the reduce never reads an empty split
-    offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)
-    tok = q_block * BLOCK_Q + offs_m // BLOCK_H
-    head = (tl.program_id(0) % head_groups) * BLOCK_H + offs_m % BLOCK_H
-    row_ok = (tok < q_len) & (head < num_heads)
-    pos = prefix + tok
-    q_row = (q_start + tok).to(tl.int64)
+    head, row_ok, pos, q_row = _program_rows(q_block, head_groups, q_start, q_len, prefix, num_heads, BLOCK_Q, BLOCK_H)
     offs_c = tl.arange(0, HALF)
     offs_p = tl.arange(0, BLOCK_P)
     if EARLY_TILE:
