@@ -26,6 +26,7 @@ import triton.language as tl
 
 from moeserve.ops.triton import mla_reduce
 from moeserve.ops.triton.gemv import linear
+from moeserve.ops.triton.mla_checks import check_inputs, check_projections
 from moeserve.ops.triton.mla_reduce import (
     Projection,
     query_span,
@@ -330,19 +331,6 @@ def _mla_split_kernel(
     )
 
 
-def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
-    rank, rope = q_latent.shape[-1], q_rope.shape[-1]
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != rank + rope or kv_cache.stride(-1) != 1:
-        raise ValueError(
-            f"MLA attention: cache {tuple(kv_cache.shape)} is not a [pages, page_size, {rank + rope}] tensor "
-            "with contiguous rows"
-        )
-    if q_rope.shape[:-1] != q_latent.shape[:-1] or q_latent.dim() != 3:
-        raise ValueError(f"MLA attention: q_rope {tuple(q_rope.shape)} does not match q_latent {tuple(q_latent.shape)}")
-    if block_table.dim() != 2 or block_table.stride(-1) != 1:
-        raise ValueError(f"MLA attention: block table {tuple(block_table.shape)} must be [B, max_pages], rows contiguous")
-
-
 def _matmul_dtype(q_latent: torch.Tensor, fp8: bool) -> tuple[tl.dtype, bool]:
     """The split kernel's matmul dtype, and whether the query must saturate into it (float16)."""
     if not q_latent.is_cuda:
@@ -371,7 +359,7 @@ def run_absorbed(
     `project`, decode with splits only: the reduce applies W_UV (and o_proj) too
     (mla_reduce.reduce_and_project) and this returns project.out.
     """
-    _check(q_latent, q_rope, kv_cache, block_table)
+    check_inputs(q_latent, q_rope, kv_cache, block_table)
     # Rows may be strided (q_rope is a slice of q); only the innermost dim must be contiguous.
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
@@ -398,12 +386,24 @@ def run_absorbed(
                                                      num_splits, part_o, part_lse, out if clear_width else None)
         if block_n:  # the merge finds each split's keys as that kernel dealt them, in its tiles
             return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, block_n, num_splits, batch)
-    grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), batch, num_splits)
+    _launch_split(q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, clear_width,
+                  num_q_blocks, num_splits, scale * kv_scale * LOG2E, kv_scale, tiles, decode, fp8, compute, saturate)
+    return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, tiles.block_n, num_splits, batch,
+                         max_query_len, decode)
+
+
+def _launch_split(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, qstart: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
+                  part_lse: torch.Tensor, clear_width: int, num_q_blocks: int, num_splits: int, qk_scale: float,
+                  kv_scale: float, tiles: Tiles, decode: bool, fp8: bool, compute: tl.dtype, saturate: bool) -> None:
+    """The split kernel over every (query block x head group, sequence, split)."""
+    heads, rank = q_latent.shape[1], q_latent.shape[2]
+    grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), seq_lens.shape[0], num_splits)
     _mla_split_kernel[grid](
         q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, out if clear_width else part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        heads, num_q_blocks, num_splits, scale * kv_scale * LOG2E, kv_scale,
+        heads, num_q_blocks, num_splits, qk_scale, kv_scale,
         LATENT=rank, ROPE=q_rope.shape[-1],
         HALF=max(16, triton.next_power_of_2(rank) // 2), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
@@ -413,8 +413,6 @@ def run_absorbed(
         CLEAR_WIDTH=clear_width, CLEAR_BLOCK=triton.next_power_of_2(max(clear_width, 1)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
-    return _merge_splits(part_o, part_lse, seq_lens, qstart, out, project, tiles.block_n, num_splits, batch,
-                         max_query_len, decode)
 
 
 def _merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, qstart: torch.Tensor,
@@ -476,7 +474,7 @@ def mla_decode(
     if w_o is not None and w_uv is None:
         raise ValueError("mla_decode: o_proj's weight w_o needs w_uv")
     if w_uv is not None:
-        _check_projections(q_latent, w_uv, w_o, w_o_t)
+        check_projections(q_latent, w_uv, w_o, w_o_t)
         if out is None:
             out = q_latent.new_empty(batch, heads, w_uv.shape[1])
         if num_splits > 1 and batch <= mla_reduce.PROJECT_MAX_ROWS:
@@ -492,14 +490,3 @@ def mla_decode(
     if project is None:
         result = per_head_matmul(result, w_uv.transpose(1, 2), out)
     return result if w_o is None else linear(result.flatten(1), w_o)
-
-
-def _check_projections(q_latent: torch.Tensor, w_uv: torch.Tensor, w_o: torch.Tensor | None,
-                       w_o_t: torch.Tensor | None) -> None:
-    heads, rank = q_latent.shape[1], q_latent.shape[2]
-    if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
-        raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not [{heads}, v, {rank}]")
-    if w_o is not None and (w_o.dim() != 2 or w_o.shape[1] != heads * w_uv.shape[1]):
-        raise ValueError(f"mla_decode: w_o {tuple(w_o.shape)} is not [hidden, {heads * w_uv.shape[1]}]")
-    if w_o_t is not None and (w_o is None or w_o_t.shape != w_o.shape[::-1] or not w_o_t.is_contiguous()):
-        raise ValueError("mla_decode: w_o_t must be w_o transposed, contiguous")
