@@ -27,7 +27,8 @@ replaces the kernel boundary, and every program normalises the summed row itself
 
 The entry (`entry`): the MoE's own residual add + RMSNorm, router and expert selection, done by the
 programs after their PDL wait instead of by a kernel before this one (moe_ring_entry.py). The
-host side (tile sizes, dealing, what fits) is in moe_ring_plan.py.
+host side (tile sizes, dealing, what fits) is in moe_ring_plan.py; the programs' meeting points (the
+output they add into, the grid barrier, the counters' reset) in moe_ring_sync.py.
 """
 
 from __future__ import annotations
