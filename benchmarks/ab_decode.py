@@ -27,6 +27,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts, record, write_results  # noqa: E402
+from moeserve.bench.roofline import replay_ms  # noqa: E402
 from moeserve.config.engine_config import KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from moeserve.engine.engine import EngineCore  # noqa: E402
 from moeserve.executor.cuda_graph import CudaGraphRunner  # noqa: E402
@@ -74,16 +75,7 @@ def time_replay(core: EngineCore, bs: int, replays: int, samples: int) -> float:
     """Median over `samples` of the mean replay time (ms) of the size-`bs` graph on staged inputs."""
     graph = core.runner.graphs.graphs[bs]
     graph.replay()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times)
+    return statistics.median(replay_ms(graph, replays) for _ in range(samples))
 
 
 def time_steps(core: EngineCore, steps: int) -> float:

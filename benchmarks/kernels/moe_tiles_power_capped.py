@@ -17,6 +17,7 @@ import time
 import torch
 
 from moeserve.bench.common import record, write_results
+from moeserve.bench.roofline import replay_ms
 from moeserve.ops.triton.fused_moe import RoutePlan, moe_down, moe_up, plan_route
 from moeserve.ops.triton.moe_config import get_config
 from moeserve.ops.triton.tune_moe import _with, candidate_gemms, make_inputs, make_weights
@@ -44,13 +45,7 @@ def capped_us(graph: torch.cuda.CUDAGraph, settle_s: float, replays: int = 40) -
     while time.perf_counter() - start < settle_s:
         graph.replay()
         torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / replays * 1e3
+    return replay_ms(graph, replays) * 1e3
 
 
 def capture(plan: RoutePlan, inputs: dict, act: torch.Tensor, part: str, tile: dict) -> torch.cuda.CUDAGraph:

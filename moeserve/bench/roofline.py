@@ -26,6 +26,17 @@ def time_ms(fn: Callable[[], object], iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Mean milliseconds a replay of `graph` over `replays` back-to-back replays (one pair of CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def read_bandwidth_gbs(gib: float = 4.0) -> float:
     """GB/s (1e9) reading a large buffer once (a sum): the decode roofline's denominator."""
     x = torch.randn(int(gib * 2**30 / 2), dtype=torch.bfloat16, device="cuda")
