@@ -88,18 +88,26 @@ class KVCacheManager:
         """
         assert self.radix is not None
         # Placeholders of in-flight samples are not tokens yet: never put them in the tree.
-        n = min(req.num_computed_tokens, req.num_resolved_tokens) // self.page_size
+        ps = self.page_size
+        n = min(req.num_computed_tokens, req.num_resolved_tokens) // ps
         if n == 0:
             return 0
-        tokens = req.all_token_ids[: n * self.page_size]
-        tree_pages, node = self.radix.insert(tokens, req.page_table[:n])
-        duplicates = [mine for mine, theirs in zip(req.page_table[:n], tree_pages, strict=True) if mine != theirs]
+        # The request's node spells a prefix it already shares with the tree (its page table holds
+        # the tree's pages there): insert only what follows, instead of re-walking the whole prefix
+        # at every prefill chunk and at release.
+        start = req.cache_node
+        first = self.radix.depth(start) // ps if start is not None else 0
+        if first > n:  # not expected; insert from the root rather than trust it
+            start, first = None, 0
+        mine = req.page_table[first:n]
+        tree_pages, node = self.radix.insert(req.token_slice(first * ps, n * ps), mine, after=start)
+        duplicates = [p for p, theirs in zip(mine, tree_pages, strict=True) if p != theirs]
         # Lock the new path before unlocking the old one so shared ancestors never look evictable.
         self.radix.lock(node)
         if req.cache_node is not None:
             self.radix.unlock(req.cache_node)
         req.cache_node = node
-        req.page_table[:n] = tree_pages
+        req.page_table[first:n] = tree_pages
         self.pool.free(duplicates)
         return n
 

@@ -70,11 +70,24 @@ class RadixCache:
         upper.children[self._first_page(node.key, 0)] = node
         return upper
 
-    def _walk(self, tokens: list[int]) -> tuple[list[int], RadixNode, int]:
-        """Follow `tokens` as far as whole pages match, splitting the last edge if needed."""
-        node, pos, pages = self.root, 0, []
+    def depth(self, node: RadixNode) -> int:
+        """Tokens on the path from the root to `node`."""
+        tokens = 0
+        while node is not self.root:
+            tokens += len(node.key)
+            assert node.parent is not None
+            node = node.parent
+        return tokens
+
+    def _walk(self, tokens: list[int], start: RadixNode | None = None) -> tuple[list[int], RadixNode, int]:
+        """Follow `tokens` down from `start` (the root if None) as far as whole pages match, splitting
+        the last edge if needed. Every node on the path from the root counts as used now."""
+        node, pos, pages = start or self.root, 0, []
         now = next(self._clock)
-        node.last_access = now
+        above = node
+        while above is not None:
+            above.last_access = now
+            above = above.parent
         while len(tokens) - pos >= self.page_size:
             child = node.children.get(self._first_page(tokens, pos))
             if child is None:
@@ -93,13 +106,18 @@ class RadixCache:
         pages, node, _ = self._walk(tokens)
         return pages, node
 
-    def insert(self, tokens: list[int], pages: list[int]) -> tuple[list[int], RadixNode]:
+    def insert(
+        self, tokens: list[int], pages: list[int], after: RadixNode | None = None
+    ) -> tuple[list[int], RadixNode]:
         """Add a page-aligned prefix; return the pages the tree holds for it and its last node.
 
-        Where the tree already had a prefix, its pages win: the caller frees its own copies.
+        With `after`, `tokens` continue the path that ends at that node (a prefix already in the
+        tree, such as a request's locked node), and the pages returned are those of `tokens` only:
+        the walk starts there instead of re-matching the prefix. Where the tree already had some
+        of the tokens, its pages win: the caller frees its own copies.
         """
         assert len(tokens) == len(pages) * self.page_size, "insert needs whole pages"
-        tree_pages, node, pos = self._walk(tokens)
+        tree_pages, node, pos = self._walk(tokens, after)
         if pos < len(tokens):
             first_new = pos // self.page_size
             leaf = RadixNode(node, tokens[pos:], pages[first_new:])

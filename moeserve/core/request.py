@@ -65,6 +65,15 @@ class Request:
         """Prompt followed by everything generated so far."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end - 1 of prompt + outputs, without joining the whole of both."""
+        lp = len(self.prompt_token_ids)
+        if start >= lp:
+            return self.output_token_ids[start - lp : end - lp]
+        if end <= lp:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - lp]
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""

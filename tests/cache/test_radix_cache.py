@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from moeserve.cache.kv_manager import KVCacheManager
@@ -88,4 +90,61 @@ def test_manager_shares_prefix_and_frees_duplicates():
     c = Request("c", [1, 2, 3, 4, 5, 6, 9, 9], params)
     assert kv.match_prefix(c) == 6
     kv.release(c)
+    kv.check_idle_accounting()
+
+
+def test_insert_after_a_node_continues_its_path():
+    radix = make(page_size=2)
+    head = radix.pool.alloc(2)
+    _, node = radix.insert([1, 2, 3, 4], head)
+    assert radix.depth(node) == 4
+    tail = radix.pool.alloc(1)
+    tree_pages, last = radix.insert([5, 6], tail, after=node)
+    assert tree_pages == tail  # only the continuation's pages come back
+    assert radix.depth(last) == 6
+    assert radix.match_prefix([1, 2, 3, 4, 5, 6])[0] == head + tail
+    # Another path splits `node`'s edge: `node` keeps its tail half and still ends at depth 4.
+    other = radix.pool.alloc(2)
+    radix.insert([1, 2, 9, 9], other)
+    assert node.key == [3, 4] and radix.depth(node) == 4
+    mine = radix.pool.alloc(1)
+    tree_pages, _ = radix.insert([5, 6], mine, after=node)
+    assert tree_pages == tail  # the tree's copy wins; `mine` is the caller's to free
+    assert radix.cached_pages == 4
+
+
+def test_manager_caches_chunked_prefixes_like_whole_ones():
+    """Prefill in chunks, each chunk's pages shared at once: every request's table keeps the tree's
+    pages for its computed prefix, and no page is lost or owned twice."""
+    rng = random.Random(7)
+    ps = 2
+    kv = KVCacheManager(num_pages=400, page_size=ps)
+    params = SamplingParams(max_tokens=4)
+    stems = [[rng.randrange(50) for _ in range(rng.choice((4, 6, 10)))] for _ in range(3)]
+    live = []
+    for i in range(12):
+        prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        req = Request(f"r{i}", prompt, params)
+        kv.match_prefix(req)
+        live.append(req)
+    for _ in range(60):
+        req = rng.choice(live)
+        if req.num_computed_tokens < req.num_tokens:
+            chunk = min(rng.randrange(1, 6), req.num_tokens - req.num_computed_tokens)
+            assert kv.allocate(req, req.num_computed_tokens + chunk)
+            req.num_computed_tokens += chunk
+            kv.cache_prefix(req)
+            n = req.num_computed_tokens // ps
+            assert req.page_table[:n] == kv.radix.match_prefix(req.all_token_ids[: n * ps])[0]
+        owned, stack = [], [kv.radix.root]
+        while stack:
+            node = stack.pop()
+            owned.extend(node.pages)
+            stack.extend(node.children.values())
+        private = [p for r in live for p in r.page_table if p not in set(owned)]
+        assert len(owned) == len(set(owned)) == kv.cached_pages
+        assert len(private) == len(set(private)), "a private page is held by two requests"
+        assert kv.pool.num_free + len(owned) + len(private) == kv.num_pages
+    for req in live:
+        kv.release(req)
     kv.check_idle_accounting()
