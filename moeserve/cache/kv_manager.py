@@ -95,10 +95,11 @@ class KVCacheManager:
         # The request's node spells a prefix it already shares with the tree (its page table holds
         # the tree's pages there): insert only what follows, instead of re-walking the whole prefix
         # at every prefill chunk and at release.
+        # Computed and resolved counts never fall while the request holds pages (a retraction
+        # releases them and clears its node), so the node is never deeper than n pages.
         start = req.cache_node
         first = self.radix.depth(start) // ps if start is not None else 0
-        if first > n:  # not expected; insert from the root rather than trust it
-            start, first = None, 0
+        assert first <= n, "a request's cache node is deeper than its computed prefix"
         mine = req.page_table[first:n]
         tree_pages, node = self.radix.insert(req.token_slice(first * ps, n * ps), mine, after=start)
         duplicates = [p for p, theirs in zip(mine, tree_pages, strict=True) if p != theirs]
