@@ -79,7 +79,9 @@ def align_path(request, monkeypatch):
         monkeypatch.setattr(moe_align_module, "ONE_LAUNCH_SUB", 16)
     if request.param == "three-kernels":
         monkeypatch.setattr(moe_align_module, "ONE_LAUNCH_MAX_PAIRS", 0)
-        monkeypatch.setattr(moe_align_module, "OFFSET_ELEMENTS", 256)
+        monkeypatch.setattr(moe_align_module, "CHUNK", 16)
+        monkeypatch.setattr(moe_align_module, "CHUNK_SUB", 8)
+        monkeypatch.setattr(moe_align_module, "OFFSET_ROWS", 4)
     return request.param
 
 
@@ -321,8 +323,9 @@ V3_LIKE = (256, 7168, 2048, 8)
 @pytest.mark.parametrize(
     ("tokens", "topk", "experts", "block_m"),
     # One program, one launch (decode at 256 with the shared experts fused; the largest size it
-    # takes), then the three kernels at a 16K-token prompt step.
-    [(64, 8, 66, 16), (256, 8, 66, 64), (1365, 6, 64, 128), (16384, 6, 64, 128)],
+    # takes), then the three kernels at a 16K-token prompt step and at a V3-sized 64K-token one
+    # (2,048 chunks, 256 experts).
+    [(64, 8, 66, 16), (256, 8, 66, 64), (1365, 6, 64, 128), (16384, 6, 64, 128), (65536, 8, 256, 128)],
 )
 def test_gpu_moe_align_real_sizes(tokens, topk, experts, block_m, poisoned):
     gen = torch.Generator().manual_seed(tokens)

@@ -17,12 +17,15 @@ import triton.language as tl
 
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
-# Chunks of pairs counted in parallel by the three kernels; the offsets kernel reads their
-# histograms OFFSET_ELEMENTS counts at a time (more would spill registers at 256 experts). Serial
-# steps inside a program are what take the time: at 98K pairs (16K prompt tokens, top-6) 64
-# chunks of 1.5K pairs took 72.5 us on H200, 512 chunks take 44.
-MAX_CHUNKS = 512
-OFFSET_ELEMENTS = 8192
+# Pairs a program of the three kernels counts and places (in sub-blocks of CHUNK_SUB), and the
+# chunks one program of the offsets kernel scans at a time. Chunk histograms are kept expert-major,
+# so that a program per expert scans its column: the scan stays short however many chunks there
+# are, and short chunks leave every program few serial steps. Against 512 long chunks and one
+# offsets program (H100, graph replay, same output): 131,072 prompt tokens x top-6 of 64 experts
+# 190 -> 101 us, 16,384 tokens 39.6 -> 16.2, 131,072 x top-8 of 256 704 -> 261.
+CHUNK = 256
+CHUNK_SUB = 64
+OFFSET_ROWS = 1024
 # Up to this many (token, slot) pairs one program sorts them all in registers: there, a chain of
 # three dependent launches costs more than the work (H200, CUDA-graph replay: 4.5 against 8.4 us
 # for 192 pairs, 5.6 against 8.8 for 512). Its bitonic sort grows as n log^2 n, and the three
@@ -36,29 +39,25 @@ ONE_LAUNCH_SUB = 64
 _FILL = 1024
 
 
-@triton.jit(do_not_specialize=["numel", "padded_len", "fill_per_program", "chunk"])
+@triton.jit(do_not_specialize=["numel", "padded_len", "fill_per_program", "num_chunks"])
 def _count_kernel(
-    ids_ptr, counts_ptr, sorted_ptr, numel, padded_len, fill_per_program, chunk,
-    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+    ids_ptr, counts_ptr, sorted_ptr, numel, padded_len, fill_per_program, num_chunks,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Per-chunk expert histogram; also fills this program's share of `sorted` with padding."""
+    """Chunk histogram, stored as column `pid` of counts [E_PAD, num_chunks]; also fills this
+    program's share of `sorted` with padding."""
     wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
-    cols = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    raw = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+    valid = (offs < numel) & (raw >= 0) & (raw < NUM_EXPERTS)
+    counts = tl.histogram(tl.where(valid, raw, 0), E_PAD, mask=valid)
+    tl.store(counts_ptr + tl.arange(0, E_PAD) * num_chunks + pid, counts)
     start = 0
-    while start < chunk:  # while, not range: Triton's interpreter cannot range over a runtime int
-        offs = pid * chunk + start + tl.arange(0, SUB)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
-        ids = tl.where(ids < NUM_EXPERTS, ids, -1)
-        counts += tl.sum((ids[:, None] == cols[None, :]).to(tl.int32), axis=0)
-        start += SUB
-    tl.store(counts_ptr + pid * E_PAD + cols, counts)
-    start = 0
-    while start < fill_per_program:
-        offs = pid * fill_per_program + start + tl.arange(0, FILL)
-        keep = (offs < (pid + 1) * fill_per_program) & (offs < padded_len)
-        tl.store(sorted_ptr + offs, tl.full([FILL], 0, tl.int32) + numel, mask=keep)
+    while start < fill_per_program:  # while, not range: Triton's interpreter cannot range over a runtime int
+        slots = pid * fill_per_program + start + tl.arange(0, FILL)
+        keep = (slots < (pid + 1) * fill_per_program) & (slots < padded_len)
+        tl.store(sorted_ptr + slots, tl.full([FILL], 0, tl.int32) + numel, mask=keep)
         start += FILL
 
 
@@ -149,58 +148,48 @@ def _align_one_launch_kernel(
     _label_blocks(block_expert_ptr, ends // BLOCK_M, total // BLOCK_M, max_blocks, pid, programs, BLOCKS)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "max_blocks"])
-def _offsets_kernel(
-    counts_ptr, block_expert_ptr, num_padded_ptr, num_chunks, max_blocks,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
-):
-    """Turn chunk histograms into each chunk's write offset per expert, and label every block."""
+@triton.jit(do_not_specialize=["num_chunks"])
+def _offsets_kernel(counts_ptr, totals_ptr, num_chunks, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """Program e: expert e's count in each chunk -> the pairs of e in the chunks before it, and e's total."""
     wait_for_prior_grid(PDL)
-    rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, E_PAD)
-    totals = tl.zeros([E_PAD], dtype=tl.int32)
+    column = counts_ptr + tl.program_id(0) * num_chunks
+    before = 0
     r0 = 0
     while r0 < num_chunks:
-        ptrs = counts_ptr + (r0 + rows)[:, None] * E_PAD + cols[None, :]
-        totals += tl.sum(tl.load(ptrs, mask=(r0 + rows)[:, None] < num_chunks, other=0), axis=0)
+        rows = r0 + tl.arange(0, ROWS)
+        counts = tl.load(column + rows, mask=rows < num_chunks, other=0)
+        tl.store(column + rows, before + tl.cumsum(counts, axis=0) - counts, mask=rows < num_chunks)
+        before += tl.sum(counts, axis=0)
         r0 += ROWS
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    cursor = ends - padded
-    r0 = 0
-    while r0 < num_chunks:
-        ptrs = counts_ptr + (r0 + rows)[:, None] * E_PAD + cols[None, :]
-        valid = (r0 + rows)[:, None] < num_chunks
-        counts = tl.load(ptrs, mask=valid, other=0)
-        tl.store(ptrs, cursor[None, :] + tl.cumsum(counts, axis=0) - counts, mask=valid)
-        cursor += tl.sum(counts, axis=0)
-        r0 += ROWS
-    total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
-    _label_blocks(block_expert_ptr, ends // BLOCK_M, total // BLOCK_M, max_blocks, 0, 1, BLOCKS)
+    tl.store(totals_ptr + tl.program_id(0), before)
 
 
-@triton.jit(do_not_specialize=["numel", "chunk"])
+@triton.jit(do_not_specialize=["numel", "num_chunks", "max_blocks"])
 def _scatter_kernel(
-    ids_ptr, offsets_ptr, sorted_ptr, numel, chunk,
-    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
+    ids_ptr, counts_ptr, totals_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, numel, num_chunks, max_blocks,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    SUB: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Write each pair's flat index at its expert's next free slot, in token order."""
+    """Write each pair of chunk `pid` at its expert's run start plus the pairs of that expert
+    before it (earlier chunks, then earlier in this chunk); label a share of the blocks."""
     wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
-    cursor = tl.load(offsets_ptr + pid * E_PAD + cols)
-    start = 0
-    while start < chunk:  # while, not range: Triton's interpreter cannot range over a runtime int
-        offs = pid * chunk + start + tl.arange(0, SUB)
+    padded = (tl.load(totals_ptr + cols) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    cursor = ends - padded + tl.load(counts_ptr + cols * num_chunks + pid)
+    for start in tl.static_range(0, CHUNK, SUB):
+        offs = pid * CHUNK + start + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
-        ids = tl.where(ids < NUM_EXPERTS, ids, -1)
-        hit = (ids[:, None] == cols[None, :]).to(tl.int32)
+        ok = (offs < numel) & (ids >= 0) & (ids < NUM_EXPERTS)
+        hit = ((ids[:, None] == cols[None, :]) & ok[:, None]).to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - 1 + cursor[None, :]
-        pos = tl.sum(tl.where(hit > 0, rank, 0), axis=1)
-        tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=(offs < numel) & (ids >= 0))
+        tl.store(sorted_ptr + tl.sum(tl.where(hit > 0, rank, 0), axis=1), offs.to(tl.int32), mask=ok)
         cursor += tl.sum(hit, axis=0)
-        start += SUB
+    total = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(num_padded_ptr, total)
+    _label_blocks(block_expert_ptr, ends // BLOCK_M, total // BLOCK_M, max_blocks, pid, tl.num_programs(0), BLOCKS)
 
 
 def padded_capacity(numel: int, num_experts: int, block_m: int) -> int:
@@ -240,23 +229,18 @@ def moe_align(
             SUB=ONE_LAUNCH_SUB, BLOCKS=blocks, num_warps=4, **pdl_launch(ids),
         )
         return sorted_ids, block_expert, num_padded
-    sub = max(16, min(128, 4096 // e_pad))
-    chunk = triton.cdiv(triton.cdiv(numel, MAX_CHUNKS), sub) * sub
-    num_chunks = triton.cdiv(numel, chunk)
-    offsets = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
+    num_chunks = triton.cdiv(numel, CHUNK)
+    counts = torch.empty(e_pad, num_chunks, dtype=torch.int32, device=device)
+    totals = torch.empty(e_pad, dtype=torch.int32, device=device)
     fill = triton.cdiv(capacity, num_chunks)
-    warps = 4 if e_pad <= 64 else 8
     _count_kernel[(num_chunks,)](
-        ids, offsets, sorted_ids, numel, capacity, fill, chunk,
-        NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, FILL=_FILL, num_warps=warps, **pdl_launch(ids),
+        ids, counts, sorted_ids, numel, capacity, fill, num_chunks,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, CHUNK=CHUNK, FILL=_FILL, num_warps=4, **pdl_launch(ids),
     )
-    _offsets_kernel[(1,)](
-        offsets, block_expert, num_padded, num_chunks, max_blocks,
-        BLOCK_M=block_m, E_PAD=e_pad, ROWS=max(2, OFFSET_ELEMENTS // e_pad), BLOCKS=blocks, num_warps=warps,
-        **pdl_launch(ids),
-    )
+    _offsets_kernel[(e_pad,)](counts, totals, num_chunks, ROWS=OFFSET_ROWS, num_warps=4, **pdl_launch(ids))
     _scatter_kernel[(num_chunks,)](
-        ids, offsets, sorted_ids, numel, chunk, NUM_EXPERTS=num_experts, E_PAD=e_pad, SUB=sub, num_warps=warps,
-        **pdl_launch(ids),
+        ids, counts, totals, sorted_ids, block_expert, num_padded, numel, num_chunks, max_blocks,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=CHUNK, SUB=min(CHUNK_SUB, CHUNK),
+        BLOCKS=blocks, num_warps=4 if e_pad <= 64 else 8, **pdl_launch(ids),
     )
     return sorted_ids, block_expert, num_padded
