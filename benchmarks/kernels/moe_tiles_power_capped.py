@@ -17,7 +17,7 @@ import time
 import torch
 
 from moeserve.bench.common import record, write_results
-from moeserve.bench.roofline import replay_ms
+from moeserve.bench.roofline import capture_graph, replay_ms
 from moeserve.ops.triton.fused_moe import RoutePlan, moe_down, moe_up, plan_route
 from moeserve.ops.triton.moe_config import get_config
 from moeserve.ops.triton.tune_moe import _with, candidate_gemms, make_inputs, make_weights
@@ -52,12 +52,7 @@ def capture(plan: RoutePlan, inputs: dict, act: torch.Tensor, part: str, tile: d
     """One call of the GEMM `part` with `tile`, compiled, run once and captured."""
     p = _with(plan, part, tile)
     fn = (lambda: moe_up(inputs["hidden"], inputs["w13"], p)) if part == "up" else (lambda: moe_down(act, inputs["w2"], p))
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+    return capture_graph(fn)
 
 
 def main() -> None:

@@ -35,23 +35,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moeserve.bench.common import record, write_results
-from moeserve.bench.roofline import replay_ms
+from moeserve.bench.roofline import capture_graph, replay_ms
 from moeserve.ops.triton.fused_moe import moe_up, plan_route
 from moeserve.ops.triton.moe_config import get_config
+from moeserve.ops.triton.moe_tiles import tile_ids
 from moeserve.ops.triton.tune_moe import make_inputs, make_weights
 
 EXPERTS, HIDDEN, INTER, TOP_K = 64, 2048, 1408, 6  # DeepSeek-V2-Lite's routed experts
 
 
 LOADER_WARPS = gl.constexpr(4)
-
-
-@gluon.jit
-def _tile_of(tile, used_m, num_n, GROUP_M: gl.constexpr):
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    size = gl.minimum(used_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % size, (tile % per_group) // size
 
 
 @gluon.jit
@@ -65,7 +58,7 @@ def _loader(x_ptr, w_desc, sorted_ptr, block_expert_ptr, num_padded_ptr, a_smem,
     cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     it = 0
     for tile in range(gl.program_id(0), used_m * num_n, PROGRAMS):
-        pid_m, pid_n = _tile_of(tile, used_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, used_m, num_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m)
         flat = gl.load(sorted_ptr + pid_m * BM + rows)
         token = gl.where(flat < numel, flat // TOPK, 0)
@@ -89,6 +82,18 @@ def _loader(x_ptr, w_desc, sorted_ptr, block_expert_ptr, num_padded_ptr, a_smem,
 
 
 @gluon.jit
+def _wait_stage(a_ready, b_ready, it, STAGES: gl.constexpr):
+    """Wait until load `it`'s token rows and weights are in its slot; -> the slot."""
+    s = it % STAGES
+    phase = (it // STAGES) & 1
+    mbarrier.wait(a_ready.index(s), phase)
+    mbarrier.wait(b_ready.index(s), phase)
+    # The rows came by cp.async (the generic proxy); the wgmmas read through the async proxy.
+    fence_async_shared()
+    return s
+
+
+@gluon.jit
 def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_ready, empty, numel, stride_at,
               num_n, INTER: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               K_STEPS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
@@ -99,15 +104,11 @@ def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_re
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
     it = 0
     for tile in range(gl.program_id(0), used_m * num_n, PROGRAMS):
-        pid_m, pid_n = _tile_of(tile, used_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, used_m, num_n, GROUP_M)
         if PAIRED:
             gu = warpgroup_mma_init(gl.zeros([BM, 2 * BN], gl.float32, layout))
             for k in range(K_STEPS):
-                s = it % STAGES
-                phase = (it // STAGES) & 1
-                mbarrier.wait(a_ready.index(s), phase)
-                mbarrier.wait(b_ready.index(s), phase)
-                fence_async_shared()
+                s = _wait_stage(a_ready, b_ready, it, STAGES)
                 b_tile = b_smem.index(s).reshape([2 * BN, BK])
                 gu = warpgroup_mma(a_smem.index(s), b_tile.permute((1, 0)), gu, is_async=True)
                 gu = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(gu,)))
@@ -122,11 +123,7 @@ def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_re
             g = warpgroup_mma_init(gl.zeros([BM, BN], gl.float32, layout))
             u = warpgroup_mma_init(gl.zeros([BM, BN], gl.float32, layout))
             for k in range(K_STEPS):
-                s = it % STAGES
-                phase = (it // STAGES) & 1
-                mbarrier.wait(a_ready.index(s), phase)
-                mbarrier.wait(b_ready.index(s), phase)
-                fence_async_shared()
+                s = _wait_stage(a_ready, b_ready, it, STAGES)
                 g = warpgroup_mma(a_smem.index(s), b_smem.index(2 * s).permute((1, 0)), g, is_async=True)
                 u = warpgroup_mma(a_smem.index(s), b_smem.index(2 * s + 1).permute((1, 0)), u, is_async=True)
                 g, u = warpgroup_mma_wait(num_outstanding=2, deps=(g, u))
@@ -209,15 +206,6 @@ def moe_up_ws(hidden, w13, sorted_ids, block_expert, num_padded, num_m, topk, bm
     return act
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def main() -> None:
     from moe_tiles_power_capped import capped_us  # beside this script
 
@@ -244,7 +232,7 @@ def main() -> None:
         print(f"{name}: max difference from the shipped kernel {err:.3g}", flush=True)
         variants[name] = run
     flops = a.tokens * TOP_K * 2 * INTER * HIDDEN * 2
-    graphs = {name: graph_of(fn) for name, fn in variants.items()}
+    graphs = {name: capture_graph(fn) for name, fn in variants.items()}
     times: dict[str, dict[str, list[float]]] = {}
     for r in range(a.rounds):
         for name, graph in graphs.items():

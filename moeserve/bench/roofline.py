@@ -26,6 +26,16 @@ def time_ms(fn: Callable[[], object], iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Run `fn` once (compiling what it launches), then capture it in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     """Mean milliseconds a replay of `graph` over `replays` back-to-back replays (one pair of CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
