@@ -229,6 +229,8 @@ def moe_align(
             SUB=ONE_LAUNCH_SUB, BLOCKS=blocks, num_warps=4, **pdl_launch(ids),
         )
         return sorted_ids, block_expert, num_padded
+    sub = min(CHUNK_SUB, CHUNK)
+    assert CHUNK % sub == 0, "the scatter places a chunk in whole sub-blocks"
     num_chunks = triton.cdiv(numel, CHUNK)
     counts = torch.empty(e_pad, num_chunks, dtype=torch.int32, device=device)
     totals = torch.empty(e_pad, dtype=torch.int32, device=device)
@@ -240,7 +242,7 @@ def moe_align(
     _offsets_kernel[(e_pad,)](counts, totals, num_chunks, ROWS=OFFSET_ROWS, num_warps=4, **pdl_launch(ids))
     _scatter_kernel[(num_chunks,)](
         ids, counts, totals, sorted_ids, block_expert, num_padded, numel, num_chunks, max_blocks,
-        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=CHUNK, SUB=min(CHUNK_SUB, CHUNK),
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=CHUNK, SUB=sub,
         BLOCKS=blocks, num_warps=4 if e_pad <= 64 else 8, **pdl_launch(ids),
     )
     return sorted_ids, block_expert, num_padded
