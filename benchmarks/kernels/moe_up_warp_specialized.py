@@ -13,7 +13,9 @@ stored in block order, as the shipped ACT_TMA path does). Its output matches the
 for bit; it is timed in bursts and at the power cap (replays back to back for 1.5 s first). Kept as
 a record: on an H100 at 131,072 tokens it comes within 0.3-2% of the shipped kernel at the cap (three
 stages: 14.22-14.42 against 13.92-14.19 ms), never faster. The first build, storing its output
-straight from the MMA layout (4-byte stores), was 8-11% slower.
+straight from the MMA layout (4-byte stores), was 8-11% slower. `async_store` (written after those
+runs, compiled for sm_90 but not yet timed) puts each tile's output in shared memory by stmatrix and
+hands it to a TMA store that runs under the next tile's wgmmas.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def _wait_stage(a_ready, b_ready, it, STAGES: gl.constexpr):
 def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_ready, empty, numel, stride_at,
               num_n, INTER: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               K_STEPS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
-              layout: gl.constexpr, PAIRED: gl.constexpr, BK: gl.constexpr):
+              layout: gl.constexpr, PAIRED: gl.constexpr, BK: gl.constexpr, act_desc, staging,
+              ASYNC_STORE: gl.constexpr):
     used_m = gl.load(num_padded_ptr) // BM
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
@@ -118,7 +121,7 @@ def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_re
             gu = warpgroup_mma_wait(num_outstanding=0, deps=(gu,))
             mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
             g, u = gl.split(gl.reshape(gu, [BM, BN, 2]))
-            act = gl.convert_layout((g / (1.0 + gl.exp(-g)) * u).to(act_ptr.dtype.element_ty), out_layout)
+            act = (g / (1.0 + gl.exp(-g)) * u).to(act_ptr.dtype.element_ty)
         else:
             g = warpgroup_mma_init(gl.zeros([BM, BN], gl.float32, layout))
             u = warpgroup_mma_init(gl.zeros([BM, BN], gl.float32, layout))
@@ -134,19 +137,30 @@ def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_re
                 it += 1
             g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
             mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-            act = gl.convert_layout((g / (1.0 + gl.exp(-g)) * u).to(act_ptr.dtype.element_ty), out_layout)
-        out_rows = (pid_m * BM + rows).to(gl.int64)
-        flat = gl.load(sorted_ptr + pid_m * BM + rows)
-        n = pid_n * BN + cols
-        ptrs = act_ptr + out_rows[:, None] * stride_at + n[None, :]
-        gl.store(ptrs, act, mask=(flat < numel)[:, None] & (n < INTER)[None, :])
+            act = (g / (1.0 + gl.exp(-g)) * u).to(act_ptr.dtype.element_ty)
+        if ASYNC_STORE:
+            # Padding rows are written too (the down GEMM masks them); the copy runs under the next tile.
+            tma.store_wait(0)
+            staging.store(act)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(act_desc, [pid_m * BM, pid_n * BN], staging)
+        else:
+            # 16-byte stores from a blocked layout: straight from the MMA layout (4-byte) cost 8-11%.
+            act = gl.convert_layout(act, out_layout)
+            out_rows = (pid_m * BM + rows).to(gl.int64)
+            flat = gl.load(sorted_ptr + pid_m * BM + rows)
+            n = pid_n * BN + cols
+            ptrs = act_ptr + out_rows[:, None] * stride_at + n[None, :]
+            gl.store(ptrs, act, mask=(flat < numel)[:, None] & (n < INTER)[None, :])
+    if ASYNC_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _moe_up_ws_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, numel, stride_xt,
-                      stride_at, INTER: gl.constexpr, HIDDEN: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
-                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, PAIRED: gl.constexpr):
+def _moe_up_ws_kernel(x_ptr, w_desc, act_ptr, act_desc, sorted_ptr, block_expert_ptr, num_padded_ptr, numel,
+                      stride_xt, stride_at, INTER: gl.constexpr, HIDDEN: gl.constexpr, TOPK: gl.constexpr,
+                      BM: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
+                      LOADER_REGS: gl.constexpr, PAIRED: gl.constexpr, ASYNC_STORE: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[1] if PAIRED else w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[3] if PAIRED else w_desc.block_type.shape[1]
     K_STEPS: gl.constexpr = HIDDEN // BK
@@ -160,6 +174,7 @@ def _moe_up_ws_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, num_
         b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BN, 2, BK], w_desc.layout)
     else:
         b_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BN, BK], w_desc.layout)
+    staging = gl.allocate_shared_memory(gl.bfloat16, [BM, BN] if ASYNC_STORE else [1, BN], act_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -171,7 +186,8 @@ def _moe_up_ws_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, num_
     num_n = gl.cdiv(INTER, BN)
     gl.warp_specialize(
         [(_consumer, (act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_ready, empty, numel,
-                      stride_at, num_n, INTER, TOPK, BM, BN, K_STEPS, STAGES, GROUP_M, PROGRAMS, layout, PAIRED, BK)),
+                      stride_at, num_n, INTER, TOPK, BM, BN, K_STEPS, STAGES, GROUP_M, PROGRAMS, layout, PAIRED, BK,
+                      act_desc, staging, ASYNC_STORE)),
          (_loader, (x_ptr, w_desc, sorted_ptr, block_expert_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_ready,
                     empty, numel, stride_xt, num_n, INTER, TOPK, BM, BN, BK, K_STEPS, STAGES, GROUP_M, PROGRAMS,
                     PAIRED))],
@@ -192,14 +208,16 @@ def weight_descriptor(w13: torch.Tensor, bn: int, bk: int, paired: bool = False)
 
 
 def moe_up_ws(hidden, w13, sorted_ids, block_expert, num_padded, num_m, topk, bm=128, bn=128, bk=64, stages=4,
-              group_m=8, programs=132, loader_regs=88, warps=8, compile_only=False, paired=False):
+              group_m=8, programs=132, loader_regs=88, warps=8, compile_only=False, paired=False, async_store=False):
     """act [num_m * bm, I] in block order, as fused_moe's ACT_TMA up GEMM writes it."""
     inter = w13.shape[1] // 2
     act = torch.empty(num_m * bm, inter, dtype=hidden.dtype, device=hidden.device)
-    args = (hidden, weight_descriptor(w13, bn, bk, paired), act, sorted_ids, block_expert, num_padded,
+    act_layout = gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16)
+    act_desc = TensorDescriptor(act, list(act.shape), list(act.stride()), [bm, bn], act_layout)
+    args = (hidden, weight_descriptor(w13, bn, bk, paired), act, act_desc, sorted_ids, block_expert, num_padded,
             hidden.shape[0] * topk, hidden.stride(0), act.stride(0))
     kw = dict(INTER=inter, HIDDEN=hidden.shape[1], TOPK=topk, BM=bm, STAGES=stages, GROUP_M=group_m,
-              PROGRAMS=programs, LOADER_REGS=loader_regs, PAIRED=paired, num_warps=warps)
+              PROGRAMS=programs, LOADER_REGS=loader_regs, PAIRED=paired, ASYNC_STORE=async_store, num_warps=warps)
     if compile_only:
         return _moe_up_ws_kernel.warmup(*args, grid=(programs,), **kw)
     _moe_up_ws_kernel[(programs,)](*args, **kw)
@@ -223,11 +241,13 @@ def main() -> None:
     valid = plan.sorted_ids[: ref.shape[0]] < a.tokens * TOP_K
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     variants = {"shipped": lambda: moe_up(x, w13, plan)}
-    for stages, paired, regs in ((3, False, 64), (3, False, 88), (3, True, 88), (4, True, 88)):
-        def run(stages=stages, paired=paired, regs=regs):
+    for stages, paired, regs, tma_store in ((3, False, 64, False), (3, True, 88, False), (3, False, 64, True),
+                                            (3, True, 64, True)):
+        def run(stages=stages, paired=paired, regs=regs, tma_store=tma_store):
             return moe_up_ws(x, w13, plan.sorted_ids, plan.block_expert, plan.num_padded, plan.num_m, TOP_K,
-                             stages=stages, paired=paired, loader_regs=regs, programs=programs)
-        name = f"gluon stages {stages} paired {paired} loader registers {regs}"
+                             stages=stages, paired=paired, loader_regs=regs, async_store=tma_store,
+                             programs=programs)
+        name = f"gluon stages {stages} paired {paired} loader registers {regs} TMA store {tma_store}"
         err = (run()[valid].float() - ref[valid].float()).abs().max().item()
         print(f"{name}: max difference from the shipped kernel {err:.3g}", flush=True)
         variants[name] = run
