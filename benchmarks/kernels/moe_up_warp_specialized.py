@@ -54,6 +54,7 @@ def _loader(x_ptr, w_desc, sorted_ptr, block_expert_ptr, num_padded_ptr, a_smem,
             numel, stride_xt, num_n, INTER: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
             BN: gl.constexpr, BK: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
             GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr, PAIRED: gl.constexpr):
+    """The loading warps: each k step's token rows (cp.async) and weight boxes (TMA) into a free slot."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     used_m = gl.load(num_padded_ptr) // BM
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
@@ -79,6 +80,7 @@ def _loader(x_ptr, w_desc, sorted_ptr, block_expert_ptr, num_padded_ptr, a_smem,
                 tma.async_copy_global_to_shared(w_desc, [w_row + INTER, k * BK], b_ready.index(s),
                                                 b_smem.index(2 * s + 1))
             async_copy.async_copy_global_to_shared(a_smem.index(s), base + k * BK)
+            # Each thread arrives once its own copies land: the barrier counts every loading thread.
             async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
             it += 1
 
@@ -101,6 +103,7 @@ def _consumer(act_ptr, sorted_ptr, num_padded_ptr, a_smem, b_smem, a_ready, b_re
               K_STEPS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
               layout: gl.constexpr, PAIRED: gl.constexpr, BK: gl.constexpr, act_desc, staging,
               ASYNC_STORE: gl.constexpr):
+    """The two compute warpgroups: a tile's wgmmas one slot behind the loads, then silu(gate) * up."""
     used_m = gl.load(num_padded_ptr) // BM
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
