@@ -210,8 +210,8 @@ def weight_descriptor(w13: torch.Tensor, bn: int, bk: int, paired: bool = False)
     return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [bn, bk], layout)
 
 
-def moe_up_ws(hidden, w13, sorted_ids, block_expert, num_padded, num_m, topk, bm=128, bn=128, bk=64, stages=4,
-              group_m=8, programs=132, loader_regs=88, warps=8, compile_only=False, paired=False, async_store=False):
+def moe_up_ws(hidden, w13, sorted_ids, block_expert, num_padded, num_m, topk, bm=128, bn=128, bk=64, stages=3,
+              group_m=8, programs=132, loader_regs=64, warps=8, compile_only=False, paired=False, async_store=False):
     """act [num_m * bm, I] in block order, as fused_moe's ACT_TMA up GEMM writes it."""
     inter = w13.shape[1] // 2
     act = torch.empty(num_m * bm, inter, dtype=hidden.dtype, device=hidden.device)
@@ -235,8 +235,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    w13, _ = make_weights(EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda")
-    inputs = make_inputs(a.tokens, (w13, _), TOP_K)
+    w13, w2 = make_weights(EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda")
+    inputs = make_inputs(a.tokens, (w13, w2), TOP_K)
     x = inputs["hidden"]
     plan = plan_route(inputs["weights"], inputs["ids"], EXPERTS, get_config(x, w13, TOP_K))
     assert plan.config["ACT_TMA"], "the Gluon kernel writes block order, as the ACT_TMA path does"

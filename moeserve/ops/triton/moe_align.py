@@ -76,6 +76,27 @@ def _label_blocks(block_expert_ptr, block_ends, num_blocks, max_blocks, first, s
         start += step * BLOCKS
 
 
+@triton.jit
+def _place(ids_ptr, sorted_ptr, offs, numel, cursor, cols, NUM_EXPERTS: tl.constexpr):
+    """Write pairs `offs` at their expert's cursor plus their rank among its pairs here -> the cursor past them."""
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+    ok = (offs < numel) & (ids >= 0) & (ids < NUM_EXPERTS)
+    hit = ((ids[:, None] == cols[None, :]) & ok[:, None]).to(tl.int32)
+    rank = tl.cumsum(hit, axis=0) - 1 + cursor[None, :]
+    tl.store(sorted_ptr + tl.sum(tl.where(hit > 0, rank, 0), axis=1), offs.to(tl.int32), mask=ok)
+    return cursor + tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _finish(padded, ends, block_expert_ptr, num_padded_ptr, max_blocks, pid, programs, BLOCK_M: tl.constexpr,
+            BLOCKS: tl.constexpr):
+    """Program 0 stores the padded total; every program labels its share of the blocks."""
+    total = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(num_padded_ptr, total)
+    _label_blocks(block_expert_ptr, ends // BLOCK_M, total // BLOCK_M, max_blocks, pid, programs, BLOCKS)
+
+
 @triton.jit(do_not_specialize=["numel", "max_blocks"])
 def _align_one_program_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, numel, max_blocks,
@@ -128,12 +149,7 @@ def _align_one_launch_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     cols = tl.arange(0, E_PAD)
-    mine = pid * SUB + tl.arange(0, SUB)
-    expert = tl.load(ids_ptr + mine, mask=mine < numel, other=-1).to(tl.int32)
-    ok = (mine < numel) & (expert >= 0) & (expert < NUM_EXPERTS)
-    hit = ((expert[:, None] == cols[None, :]) & ok[:, None]).to(tl.int32)
-    rank = tl.cumsum(hit, axis=0) - 1 + (starts + before)[None, :]
-    tl.store(sorted_ptr + tl.sum(tl.where(hit > 0, rank, 0), axis=1), mine, mask=ok)
+    _place(ids_ptr, sorted_ptr, pid * SUB + tl.arange(0, SUB), numel, starts + before, cols, NUM_EXPERTS)
     lanes = tl.arange(0, BLOCK_M)
     e = pid
     while e < NUM_EXPERTS:
@@ -142,10 +158,7 @@ def _align_one_launch_kernel(
         pad_to = tl.sum(tl.where(cols == e, ends, 0), axis=0)
         tl.store(sorted_ptr + pad_from + lanes, tl.zeros_like(lanes) + numel, mask=pad_from + lanes < pad_to)
         e += programs
-    total = tl.sum(padded, axis=0)
-    if pid == 0:
-        tl.store(num_padded_ptr, total)
-    _label_blocks(block_expert_ptr, ends // BLOCK_M, total // BLOCK_M, max_blocks, pid, programs, BLOCKS)
+    _finish(padded, ends, block_expert_ptr, num_padded_ptr, max_blocks, pid, programs, BLOCK_M, BLOCKS)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -179,17 +192,8 @@ def _scatter_kernel(
     ends = tl.cumsum(padded, axis=0)
     cursor = ends - padded + tl.load(counts_ptr + cols * num_chunks + pid)
     for start in tl.static_range(0, CHUNK, SUB):
-        offs = pid * CHUNK + start + tl.arange(0, SUB)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
-        ok = (offs < numel) & (ids >= 0) & (ids < NUM_EXPERTS)
-        hit = ((ids[:, None] == cols[None, :]) & ok[:, None]).to(tl.int32)
-        rank = tl.cumsum(hit, axis=0) - 1 + cursor[None, :]
-        tl.store(sorted_ptr + tl.sum(tl.where(hit > 0, rank, 0), axis=1), offs.to(tl.int32), mask=ok)
-        cursor += tl.sum(hit, axis=0)
-    total = tl.sum(padded, axis=0)
-    if pid == 0:
-        tl.store(num_padded_ptr, total)
-    _label_blocks(block_expert_ptr, ends // BLOCK_M, total // BLOCK_M, max_blocks, pid, tl.num_programs(0), BLOCKS)
+        cursor = _place(ids_ptr, sorted_ptr, pid * CHUNK + start + tl.arange(0, SUB), numel, cursor, cols, NUM_EXPERTS)
+    _finish(padded, ends, block_expert_ptr, num_padded_ptr, max_blocks, pid, tl.num_programs(0), BLOCK_M, BLOCKS)
 
 
 def padded_capacity(numel: int, num_experts: int, block_m: int) -> int:
