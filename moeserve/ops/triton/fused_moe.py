@@ -59,10 +59,6 @@ RING_TAIL = True
 # selection) runs in the ring's programs too (routed_moe_add_norm_linear, moe_ring_entry.py),
 # instead of a kernel of its own before it.
 RING_ENTRY = True
-# From moe_up_hopper.MIN_TOKENS tokens on sm_90 the gate/up GEMM is that module's persistent,
-# warp-specialized Gluon kernel (its stores run under the next tile's wgmmas) instead of the Triton
-# kernel below; the same output. H100, 131,072 tokens, at the power cap: -3.5% for the GEMM.
-HOPPER_UP = True
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_m"])
@@ -303,18 +299,6 @@ def moe_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, compile_onl
     return act
 
 
-def _gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: RoutePlan, config_given: bool) -> torch.Tensor:
-    """The gate/up GEMM: on Hopper at prompt sizes the Gluon kernel, else (or for a caller's own
-    config, which the tests use to pick a path) `moe_up`."""
-    if HOPPER_UP and not config_given and plan.num_padded is not None and hidden.is_cuda and not _interpreting():
-        from moeserve.ops.triton import moe_up_hopper as hopper  # Gluon: imported only where it may run
-
-        if hopper.moe_up_hopper_usable(hidden, w13, plan.config):
-            return hopper.moe_up_hopper(hidden, w13, plan.sorted_ids, plan.block_expert, plan.num_padded,
-                                        plan.num_m, plan.topk)
-    return moe_up(hidden, w13, plan)
-
-
 def moe_down(act: torch.Tensor, w2: torch.Tensor, plan: RoutePlan, compile_only: bool = False) -> torch.Tensor:
     """[T * k, H] routing weight * down(act) for every (token, slot) pair."""
     hidden_size = w2.shape[1]
@@ -402,10 +386,9 @@ def fused_moe(
         if moe_ring.ring_usable(hidden, w13, w2, topk_ids):
             out = moe_ring.moe_ring(hidden, w13, w2, topk_weights, topk_ids, fixed_tail)
             return out.view(hidden.shape).to(hidden.dtype) if sum_slots else out
-    config_given = config is not None
     config = config or get_config(hidden, w13, topk_ids.shape[1])
     plan = plan_route(topk_weights, topk_ids, w13.shape[0], config)
-    out = moe_down(_gate_up(hidden, w13, plan, config_given), w2, plan)
+    out = moe_down(moe_up(hidden, w13, plan), w2, plan)
     return moe_topk_sum(out, plan.topk) if sum_slots else out.view(*topk_ids.shape, hidden.shape[1])
 
 
