@@ -25,7 +25,8 @@ from moeserve.ops.triton.mla_extend import mla_extend_absorbed  # noqa: E402
 
 BF16 = torch.bfloat16
 DECODE = [(1, 1152, BF16), (8, 1152, BF16), (64, 1152, BF16), (128, 1152, BF16), (256, 1152, BF16),
-          (256, 1280, BF16), (64, 1152, FP8), (256, 1152, FP8)]
+          (256, 1280, BF16), (1, 1152, FP8), (8, 1152, FP8), (64, 1152, FP8), (128, 1152, FP8), (256, 1152, FP8),
+          (256, 4096, FP8)]
 LONG_B1 = [1152, 4096, 16384, 65536]
 
 
@@ -49,11 +50,12 @@ def main() -> None:
         rows.append({"case": f"decode + W_UV b1 {ctx} keys", "us": round(us, 1)})
     q_lens, prefix = [256] * 4, 1024
     kv_lens = [prefix + q for q in q_lens]
-    cache, table = paged(kv_lens, 64, BF16, gen)
     q_latent, q_rope = queries(sum(q_lens), 16)
     lens, starts = i32(kv_lens), cumsum0(q_lens)
-    us = best_us(lambda: mla_extend_absorbed(q_latent, q_rope, cache, table, lens, starts, 256, 0.1), iters=10)
-    rows.append({"case": "extend 4 x 256 rows after 1,024 cached", "us": round(us, 1)})
+    for dtype in (BF16, FP8):
+        cache, table = paged(kv_lens, 64, dtype, gen)
+        us = best_us(lambda c=cache, t=table: mla_extend_absorbed(q_latent, q_rope, c, t, lens, starts, 256, 0.1), iters=10)
+        rows.append({"case": f"extend 4 x 256 rows after 1,024 cached {str(dtype)[6:]}", "us": round(us, 1)})
     for r in rows:
         print(a.tag, f"{r['case']:<40} {r['us']:8.1f} us", flush=True)
     if a.json:

@@ -34,13 +34,12 @@ from moeserve import ops  # noqa: E402
 from moeserve.bench.common import record, write_results  # noqa: E402
 from moeserve.ops.triton.mla_decode import (  # noqa: E402
     _attend_tile,
-    _load_pages,
     _load_query,
-    _load_rows,
     _store_result,
     decode_tiles,
     num_splits_for,
 )
+from moeserve.ops.triton.mla_key_tiles import load_pages, load_rows  # noqa: E402
 from moeserve.ops.triton.mla_reduce import PROJECT_BLOCK_V, REDUCE_BLOCK_S, split_len  # noqa: E402
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid  # noqa: E402
 
@@ -138,9 +137,9 @@ def _split_stamped(q_lat_ptr, q_rope_ptr, kv_ptr, table_ptr, seq_lens_ptr, part_
     offs_p = tl.arange(0, BLOCK_P)
     first_n = lo + tl.arange(0, BLOCK_N)
     key = seq_len - 1
-    lat_a, lat_b, rope, pv_a, pv_b = _load_rows(
-        kv_ptr, _load_pages(table_ptr, first_n, hi, PAGE_SIZE, ".cg"), first_n, tl.minimum(hi, key), offs_c, offs_p,
-        stride_page, stride_slot, LATENT, ROPE_D, HALF, PAGE_SIZE, True, False, ".cg",
+    lat_a, lat_b, rope, pv_a, pv_b = load_rows(
+        kv_ptr, load_pages(table_ptr, first_n, hi, PAGE_SIZE, ".cg"), first_n, tl.minimum(hi, key), offs_c, offs_p,
+        stride_page, stride_slot, LATENT, ROPE_D, HALF, PAGE_SIZE, True, False, ".cg", False,
     )
     in_tile = (key >= lo) & (key < hi)
     page = tl.load(table_ptr + key // PAGE_SIZE, mask=in_tile, other=0, cache_modifier=".cg")

@@ -1,7 +1,7 @@
 """What the MLA split kernel compiles to on sm_90, without a GPU: registers, spills, shared memory
 and an instruction census of the SASS (ptxas and cuobjdump ship with Triton).
 
-    python benchmarks/kernels/mla_sass.py [--kv bf16|fp8] [--tile 32,4,2] [--top 14]
+    python benchmarks/kernels/mla_sass.py [--kv bf16|fp8] [--tile 32,4,2] [--top 14] [--extend --rows 2,16]
 
 The kernel is compiled with the facts the engine's launches give Triton (16-byte divisible
 pointers and strides), so loads vectorise as they do on the device. Useful to see, for instance,
@@ -35,20 +35,22 @@ DIVISIBLE = ("stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_page", 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 
 
-def compile_split(kv: str, block_n: int, warps: int, stages: int, f16: bool):
-    """The decode split kernel (V2-Lite's 16 heads, rank 512 + 64) for an sm_90 target; `f16`: an
-    FP8 cache's matmuls in float16 (as the engine runs them with FP8_F16_MATMULS)."""
+def compile_split(kv: str, block_n: int, warps: int, stages: int, f16: bool, decode: bool = True,
+                  rows: tuple[int, int] = (1, 16)):
+    """The split kernel (rank 512 + 64; `rows` = query tokens x heads a program) for an sm_90 target,
+    decode or extend; `f16`: an FP8 cache's matmuls in float16 (as the engine runs them with
+    FP8_F16_MATMULS)."""
     fp8 = kv == "fp8"
     saturate = fp8 and f16
-    consts = dict(LATENT=512, ROPE=64, HALF=256, BLOCK_P=64, BLOCK_Q=1, BLOCK_H=16, BLOCK_N=block_n, PAGE_SIZE=16,
-                  SPLIT_KV=False, DECODE=True, EARLY_TILE=False, RELOAD=fp8,
+    consts = dict(LATENT=512, ROPE=64, HALF=256, BLOCK_P=64, BLOCK_Q=rows[0], BLOCK_H=rows[1], BLOCK_N=block_n,
+                  PAGE_SIZE=16, SPLIT_KV=False, DECODE=decode, EARLY_TILE=False, RELOAD=fp8 and not f16,
                   COMPUTE=tl.float16 if saturate else tl.bfloat16, PRECISION="tf32", PDL=True,
-                  SATURATE=saturate, CLEAR_WIDTH=0, CLEAR_BLOCK=1)  # fmt: skip
+                  SATURATE=saturate, CLEAR_WIDTH=0, CLEAR_BLOCK=1, PAIRED=fp8, WORDS=fp8 and f16)  # fmt: skip
     names = _mla_split_kernel.arg_names
     signature = {}
     for name in names:
         if name == "kv_ptr":
-            signature[name] = "*fp8e4nv" if fp8 else "*bf16"
+            signature[name] = ("*i16" if f16 else "*fp8e4nv") if fp8 else "*bf16"
         elif name in POINTERS:
             signature[name] = POINTERS[name]
         elif name in consts:
@@ -68,9 +70,13 @@ def main() -> None:
     ap.add_argument("--tile", default="32,4,2", help="key tile, warps, stages")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--bf16-matmuls", action="store_true", help="FP8: widen to bfloat16 (FP8_F16_MATMULS off)")
+    ap.add_argument("--extend", action="store_true", help="the prefill (extend) form: causal masks, query blocks")
+    ap.add_argument("--rows", default="1,16", help="query tokens, heads a program (extend: 2,16 for V2-Lite)")
     a = ap.parse_args()
     block_n, warps, stages = (int(x) for x in a.tile.split(","))
-    kernel = compile_split(a.kv, block_n, warps, stages, f16=not a.bf16_matmuls)
+    block_q, block_h = (int(x) for x in a.rows.split(","))
+    kernel = compile_split(a.kv, block_n, warps, stages, f16=not a.bf16_matmuls, decode=not a.extend,
+                           rows=(block_q, block_h))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()

@@ -74,6 +74,10 @@ class EngineConfig:
             (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1"),
             (self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"),
             (self.page_size >= 1, "page_size must be >= 1"),
+            (
+                self.kv_cache_dtype != "fp8_e4m3" or self.page_size % 2 == 0,
+                "an fp8_e4m3 KV cache stores its slots in pairs: page_size must be even",
+            ),
             (self.num_kv_pages is None or self.num_kv_pages >= 1, "num_kv_pages must be >= 1"),
             (0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moeserve import LLM, SamplingParams
 from moeserve.config.engine_config import EngineConfig
 from moeserve.engine.engine import EngineCore
@@ -31,3 +33,10 @@ def test_fp8_cache_stays_close_to_full_precision(v3_checkpoint):
     outs = fp8.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs)
     fp8.core.kv.check_idle_accounting()
+
+
+def test_fp8_needs_an_even_page_size():
+    """An FP8 cache stores its slots in pairs: an odd page size is refused before anything loads."""
+    with pytest.raises(ValueError, match="page_size must be even"):
+        EngineConfig(model="m", kv_cache_dtype="fp8_e4m3", page_size=5)
+    assert EngineConfig(model="m", kv_cache_dtype="bf16", page_size=5).page_size == 5

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moeserve import ops
+from moeserve.ops.reference import attention as ref_attention
 
 
 def paged(kv: torch.Tensor, page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +170,28 @@ def test_fp8_cache_round_trip_within_e4m3_precision():
     back = ops.gather_kv(cache, table, torch.tensor([20]), torch.tensor([0, 20]), torch.float32, kv_scale=0.5)
     rel = (back - kv).abs() / kv.abs().clamp(min=0.05)
     assert rel.max() < 0.07  # e4m3 keeps 3 mantissa bits: at most 1/16 relative error
+
+
+def test_fp8_cache_stores_slots_in_interleaved_pairs():
+    """FP8: slots 2j and 2j + 1 share 16-bit words column by column, the even slot's byte first
+    (what decode's word reads assume); other dtypes keep a row a slot."""
+    gen = torch.Generator().manual_seed(12)
+    kv = torch.randn(6, 10, generator=gen)
+    slots = torch.tensor([4, 5, 6, 7, 9, 10])
+    cache = torch.zeros(3, 4, 10, dtype=torch.float8_e4m3fn)
+    ops.store_kv(cache, slots, kv[:, :8], kv[:, 8:])
+    stored = ref_attention.quantize_kv(kv, cache.dtype, 1.0).view(torch.uint8)
+    raw = cache.view(torch.uint8).view(3, 2, 10, 2)  # [page, pair, column, slot in the pair]
+    for i, slot in enumerate(slots.tolist()):
+        page, at = divmod(slot, 4)
+        assert torch.equal(raw[page, at // 2, :, at % 2], stored[i])
+    assert raw[0].eq(0).all() and raw[2, 0, :, 0].eq(0).all() and raw[2, 1, :, 1].eq(0).all()  # slots 8, 11
+    assert torch.equal(ref_attention.read_slots(cache, slots), stored.view(cache.dtype))
+    wide = torch.zeros(3, 4, 10, dtype=torch.bfloat16)
+    ops.store_kv(wide, slots, kv[:, :8], kv[:, 8:])
+    assert torch.equal(wide.view(-1, 10)[slots], kv.bfloat16())
+    with pytest.raises(ValueError, match="even"):
+        ops.store_kv(torch.zeros(3, 5, 10, dtype=torch.float8_e4m3fn), slots, kv[:, :8], kv[:, 8:])
 
 
 def test_fused_add_rms_norm_and_rope_store_compose():

@@ -104,10 +104,10 @@ def test_mla_decode_running_max_that_moves(walk, kv_dtype, poisoned):
     else:
         level = torch.cumsum(torch.randn(n, generator=gen) * 3.0, 0)
     rows = level[:, None] * direction[None, :] / direction.norm() ** 2 + 0.05 * torch.randn(n, rank + rope, generator=gen)
-    cache = torch.zeros(-(-n // page_size) + 1, page_size, rank + rope)
-    cache[1:].view(-1, rank + rope)[:n] = rows
     kv_scale = 0.5 if kv_dtype == FP8 else 1.0
-    cache = (ref.quantize_kv(cache, FP8, kv_scale) if kv_dtype == FP8 else cache).to(DEVICE)
+    cache = torch.zeros(-(-n // page_size) + 1, page_size, rank + rope, dtype=kv_dtype)
+    ref.write_slots(cache, page_size + torch.arange(n), ref.quantize_kv(rows, kv_dtype, kv_scale))
+    cache = cache.to(DEVICE)
     table = torch.arange(1, cache.shape[0] + 1, dtype=torch.int32, device=DEVICE)[None, :]
     q = direction.repeat(1, heads, 1) * torch.tensor([1.0, -0.5]).view(1, heads, 1)
     q_latent, q_rope = q[..., :rank].contiguous().to(DEVICE), q[..., rank:].contiguous().to(DEVICE)
@@ -178,6 +178,38 @@ def test_mla_decode_first_tile_before_the_wait(page_size, kv_dtype, poisoned):
     tiles = Tiles(block_q=1, block_h=16, block_n=16, num_warps=1, num_stages=1, early_tile=True)
     for lens, splits in (([1], 1), ([16], 2), ([17], 1), ([70], 3), ([150], 4)):
         check_decode(lens, 4, 32, 8, page_size, torch.float32, kv_dtype, gen, num_splits=splits, tiles=tiles)
+
+
+def nan_past_the_end(cache: torch.Tensor, table: torch.Tensor, seq_lens: list[int]) -> None:
+    """Fill every slot of each sequence's pages past its length with NaN's bit pattern: an FP8
+    cache's odd slot next to a sequence's last key is read with it (key pairs) and must not leak."""
+    page_size = cache.shape[1]
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, -(-n // page_size) * page_size, device=cache.device)
+        slots = table[b].long()[pos // page_size] * page_size + pos % page_size
+        rows = torch.full((len(pos), cache.shape[-1]), 0x7F, dtype=torch.uint8, device=cache.device)
+        ref.write_slots(cache, slots, rows.view(cache.dtype) if cache.dtype == FP8 else float("nan"))
+
+
+def check_past_the_end(seq_lens, query_lens, heads, rank, rope, q_dtype, gen, tiles=None):
+    """FP8 decode and extend with NaN bytes in every unused slot of the sequences' pages."""
+    cache, table = paged_cache(seq_lens, 16, rank + rope, FP8, gen, 0.5)
+    nan_past_the_end(cache, table, seq_lens)
+    q_latent, q_rope = mla_inputs(len(seq_lens), heads, rank, rope, q_dtype, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3, 0.5, tiles=tiles)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3, 0.5)) < TOL[q_dtype]
+    q_latent, q_rope = mla_inputs(sum(query_lens), heads, rank, rope, q_dtype, gen)
+    args = (q_latent, q_rope, cache, table, lens, cumsum0(query_lens), max(query_lens), 0.3, 0.5)
+    got = mla_extend_absorbed(*args)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref.mla_extend_absorbed(*args)) < TOL[q_dtype]
+
+
+def test_mla_fp8_ignores_nan_past_the_end(poisoned):
+    gen = torch.Generator().manual_seed(4)
+    check_past_the_end([1, 17, 30, 33], [1, 5, 2, 33], 4, 32, 8, torch.float32, gen)
 
 
 @pytest.mark.parametrize(("page_size", "kv_dtype", "num_splits"), [(1, torch.float32, 1), (16, FP8, None), (64, torch.float32, 3)])
@@ -253,7 +285,14 @@ RANK, ROPE = 512, 64
 def test_gpu_mla_decode_real_shapes(heads, page_size, kv_dtype, poisoned):
     gen = torch.Generator().manual_seed(heads + page_size)
     # Ragged: one token, shorter than a split, a few splits, and a long row.
-    check_decode([1, 100, 777, 4096, 20000], heads, RANK, ROPE, page_size, torch.bfloat16, kv_dtype, gen)
+    lens = [1, 100, 777, 4096, 20000]
+    if kv_dtype == FP8 and page_size == 1:  # an FP8 cache stores slots in pairs
+        cache, table = paged_cache(lens[:2], page_size, RANK + ROPE, kv_dtype, gen)
+        q_latent, q_rope = mla_inputs(2, heads, RANK, ROPE, torch.bfloat16, gen)
+        with pytest.raises(ValueError, match="even page size"):
+            mla_decode(q_latent, q_rope, cache, table, torch.tensor(lens[:2], dtype=torch.int32, device=DEVICE), 0.3)
+        return
+    check_decode(lens, heads, RANK, ROPE, page_size, torch.bfloat16, kv_dtype, gen)
 
 
 @pytest.mark.gpu
@@ -261,10 +300,19 @@ def test_gpu_mla_decode_real_shapes(heads, page_size, kv_dtype, poisoned):
 @pytest.mark.parametrize("batch", [1, 2, 6, 20, 40, 60, 100, 200])
 def test_gpu_mla_decode_every_tile_rule(batch, kv_dtype, poisoned):
     """Each batch range that decode_tiles gives a shape of its own (bf16: 1, 2-32, 33-128, past 128;
-    FP8: 1 and 5-8, 2-4, 9-32, 33-128, past 128), on ragged contexts."""
+    FP8: 1, 2-8, 9-32, 33-128, past 128), on ragged contexts."""
     gen = torch.Generator().manual_seed(batch)
     lens = torch.randint(1, 1500, (batch,), generator=gen).tolist()
     check_decode(lens, 16, RANK, ROPE, 64, torch.bfloat16, kv_dtype, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4, 8, 40, 200])
+def test_gpu_mla_fp8_ignores_nan_past_the_end(batch, poisoned):
+    """Odd lengths (an odd slot of NaN bytes shares the last key's words) at each FP8 tile rule."""
+    gen = torch.Generator().manual_seed(batch)
+    lens = (torch.randint(0, 700, (batch,), generator=gen) * 2 + 1).tolist()
+    check_past_the_end(lens, [min(n, 9) for n in lens], 16, RANK, ROPE, torch.bfloat16, gen)
 
 
 @pytest.mark.gpu
@@ -373,8 +421,7 @@ def test_gpu_mla_decode_reads_the_key_stored_just_before(kv_dtype, batch):
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         newest = lens.long() - 1
         slots = table.gather(1, (newest // page_size)[:, None])[:, 0].long() * page_size + newest % page_size
-        flat = cache.view(-1, RANK + ROPE)
-        flat[slots] = torch.full((batch, RANK + ROPE), 50.0, device=DEVICE).to(kv_dtype)  # stale, and loud
+        ref.write_slots(cache, slots, torch.full((batch, RANK + ROPE), 50.0, device=DEVICE).to(kv_dtype))  # stale, loud
         q_latent, q_rope = mla_inputs(batch, 16, RANK, ROPE, torch.bfloat16, gen)
         kv = torch.randn(batch, RANK + ROPE, generator=gen).to(DEVICE, torch.bfloat16)
         inv_freq = 1.0 / 10000 ** (torch.arange(0, ROPE, 2, device=DEVICE).float() / ROPE)
@@ -384,5 +431,5 @@ def test_gpu_mla_decode_reads_the_key_stored_just_before(kv_dtype, batch):
         mla_rope_norm_store(positions, q_key, kv, norm_w, 1e-6, inv_freq, 1.0, False, cache, slots.to(torch.int32))
         got = mla_decode(q_latent, q_rope, cache, table, lens, 0.3)  # launched right behind the store
         torch.cuda.synchronize()
-        assert (flat[slots].float().abs() < 50).all()
+        assert (ref.read_slots(cache, slots).float().abs() < 50).all()
         assert rel_err(got, ref.mla_decode(q_latent, q_rope, cache, table, lens, 0.3)) < TOL[torch.bfloat16]

@@ -240,6 +240,15 @@ def test_mla_rope_norm_store_fp8_cache(kv_scale):
         assert want.float().abs().max() == 448  # the clamp was exercised
 
 
+def test_mla_rope_norm_store_refuses_an_odd_fp8_page():
+    """An FP8 cache stores slots in pairs (reference.attention.slot_view): an odd page size cannot."""
+    q, kv, weight, positions, inv_freq, cache, slots = rope_inputs(
+        torch.Generator().manual_seed(1), 3, 2, 4, 32, 8, torch.float32, 3, FP8
+    )
+    with pytest.raises(ValueError, match="even page size"):
+        tri_rope.mla_rope_norm_store(positions, q[..., 4:], kv, weight, 1e-6, inv_freq, 1.0, True, cache, slots)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_mla_rope_norm_store_odd_sizes(interleaved):
     """Widths that are not powers of two and more heads than one head block."""
@@ -355,7 +364,7 @@ def test_gpu_silu_and_mul_at_model_widths(inter):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype,kv_scale", [(torch.bfloat16, 1.0), (FP8, 1.0), (FP8, 0.05)])
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("heads,page_size", [(16, 1), (16, 64), (128, 16)])
+@pytest.mark.parametrize("heads,page_size", [(16, 2), (16, 64), (128, 16)])
 def test_gpu_mla_rope_norm_store_at_model_shapes(cache_dtype, kv_scale, interleaved, heads, page_size):
     gen = torch.Generator().manual_seed(heads + page_size)
     args = rope_inputs(gen, 133, heads, 128, 512, 64, torch.bfloat16, page_size, cache_dtype, device="cuda")

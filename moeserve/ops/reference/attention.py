@@ -2,6 +2,9 @@
 
 The paged cache of one layer is [pages, page_size, kv_lora_rank + qk_rope_head_dim]. It may be
 stored in FP8 (e4m3) with one per-tensor scale: stored = value / kv_scale, value = stored * kv_scale.
+An FP8 cache keeps its slots in pairs (page_size even): slots 2j and 2j + 1 interleave column by
+column, so column c of the pair is one 16-bit word, the even slot's byte first. Decode reads the
+pair as 16-bit words (moeserve/ops/triton/mla_pairs.py says why); `slot_view` is the layout.
 """
 
 from __future__ import annotations
@@ -26,6 +29,36 @@ def dequantize_kv(x: torch.Tensor, kv_scale: float) -> torch.Tensor:
     return out * kv_scale if x.dtype == torch.float8_e4m3fn else out
 
 
+def slot_group(dtype: torch.dtype) -> int:
+    """Slots interleaved per group in a cache of `dtype`: 2 for FP8 (key pairs), else 1."""
+    return 2 if dtype == torch.float8_e4m3fn else 1
+
+
+def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache's slots (page * page_size + slot) as [slots // g, g, dim], g = slot_group: slot s
+    is [s // g, s % g]. A view: writes through it land in the cache."""
+    pages, page_size, width = kv_cache.shape
+    group = slot_group(kv_cache.dtype)
+    if page_size % group or not kv_cache.is_contiguous():
+        raise ValueError(f"KV cache {tuple(kv_cache.shape)}: an FP8 cache stores slots in pairs: it needs an even "
+                         "page size and contiguous pages")
+    if group == 1:
+        return kv_cache.view(-1, 1, width)
+    return kv_cache.as_strided((pages * page_size // 2, 2, width), (2 * width, 1, 2), kv_cache.storage_offset())
+
+
+def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The stored rows (cache dtype) of the given slots: [len(slots), dim]."""
+    slots, group = slots.long(), slot_group(kv_cache.dtype)
+    return slot_view(kv_cache)[slots // group, slots % group]
+
+
+def write_slots(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Store rows (already in the cache dtype) into the given slots."""
+    slots, group = slots.long(), slot_group(kv_cache.dtype)
+    slot_view(kv_cache)[slots // group, slots % group] = rows
+
+
 def store_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -34,17 +67,15 @@ def store_kv(
     kv_scale: float = 1.0,
 ) -> None:
     """Write each token's latent and rotary key into its slot of one layer's paged cache."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    rank = latent.shape[-1]
-    flat[slot_mapping, :rank] = quantize_kv(latent, flat.dtype, kv_scale)
-    flat[slot_mapping, rank:] = quantize_kv(k_rope, flat.dtype, kv_scale)
+    rows = torch.cat((latent.float(), k_rope.float()), dim=-1)
+    write_slots(kv_cache, slot_mapping, quantize_kv(rows, kv_cache.dtype, kv_scale))
 
 
 def _gather_one(kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int, kv_scale: float) -> torch.Tensor:
     page_size = kv_cache.shape[1]
-    num_pages = -(-seq_len // page_size)
-    rows = kv_cache[pages[:num_pages].long()].reshape(-1, kv_cache.shape[-1])[:seq_len]
-    return dequantize_kv(rows, kv_scale)
+    positions = torch.arange(seq_len, device=kv_cache.device)
+    slots = pages.long()[positions // page_size] * page_size + positions % page_size
+    return dequantize_kv(read_slots(kv_cache, slots), kv_scale)
 
 
 def gather_kv(

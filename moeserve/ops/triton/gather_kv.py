@@ -1,8 +1,9 @@
 """Triton gather of cached rows: each sequence's latent + rotary key rows, in token order, packed.
 
 Used to decompress a cached prefix for the MHA prefill form. A program copies BLOCK_T rows of one
-sequence, following its page table; FP8 caches are widened and multiplied by kv_scale (exactly
-as the reference dequantizes: float32 first, then the output dtype).
+sequence, following its page table; FP8 caches (slots in pairs, see reference.attention) are
+widened and multiplied by kv_scale (exactly as the reference dequantizes: float32 first, then the
+output dtype).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.triton.mla_checks import check_key_pairs
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 
@@ -29,12 +31,17 @@ def _gather_kernel(
     if tl.program_id(1) * BLOCK_T >= seq_len:
         return
     page = tl.load(table_ptr + b.to(tl.int64) * stride_table + offs_t // PAGE_SIZE, mask=t_ok, other=0)
-    src = kv_ptr + page.to(tl.int64) * stride_page + (offs_t % PAGE_SIZE) * stride_slot
+    slot = offs_t % PAGE_SIZE
+    if DEQUANT:  # FP8: slots in pairs, interleaved column by column (reference.attention.slot_view)
+        src = kv_ptr + page.to(tl.int64) * stride_page + slot // 2 * (2 * stride_slot) + slot % 2
+    else:
+        src = kv_ptr + page.to(tl.int64) * stride_page + slot * stride_slot
+    step: tl.constexpr = 2 if DEQUANT else 1
     dst = out_ptr + (tl.load(cu_ptr + b) + offs_t).to(tl.int64) * stride_out
     for d0 in range(0, WIDTH, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask = t_ok[:, None] & (offs_d[None, :] < WIDTH)
-        rows = tl.load(src[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows = tl.load(src[:, None] + step * offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         if DEQUANT:
             rows = rows * kv_scale
         tl.store(dst[:, None] + offs_d[None, :], rows.to(out_ptr.dtype.element_ty), mask=mask)
@@ -50,8 +57,9 @@ def gather_kv(
     total: int | None = None,
 ) -> torch.Tensor:
     """Each sequence's cached rows in token order, packed: [sum(seq_lens), kv_cache_dim]."""
-    if kv_cache.dim() != 3 or kv_cache.stride(-1) != 1:
-        raise ValueError(f"gather_kv: cache {tuple(kv_cache.shape)} is not a [pages, page_size, dim] tensor with contiguous rows")
+    if kv_cache.dim() != 3 or kv_cache.stride(-1) != 1 or kv_cache.stride(1) != kv_cache.shape[-1]:
+        raise ValueError(f"gather_kv: cache {tuple(kv_cache.shape)} is not a [pages, page_size, dim] tensor with contiguous pages")
+    check_key_pairs(kv_cache, "gather_kv")
     batch = seq_lens.shape[0]
     if block_table.shape[0] != batch or cu_seqlens.shape[0] != batch + 1:
         raise ValueError(

@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def check_key_pairs(kv_cache: torch.Tensor, op: str) -> None:
+    """Raise ValueError unless an FP8 cache can hold its slots in pairs (reference.attention.slot_view):
+    an even page size, a page's rows contiguous."""
+    if kv_cache.dtype == torch.float8_e4m3fn and (kv_cache.shape[1] % 2 or kv_cache.stride(1) != kv_cache.shape[-1]):
+        raise ValueError(f"{op}: an FP8 cache {tuple(kv_cache.shape)} stores slots in pairs: it needs an even page "
+                         "size and contiguous rows in a page")
+
+
 def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
     """Raise ValueError unless the query parts, the cache and the block table have the shapes and strides the
     kernels take."""
@@ -14,6 +22,7 @@ def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.T
             f"MLA attention: cache {tuple(kv_cache.shape)} is not a [pages, page_size, {rank + rope}] tensor "
             "with contiguous rows"
         )
+    check_key_pairs(kv_cache, "MLA attention")
     if q_rope.shape[:-1] != q_latent.shape[:-1] or q_latent.dim() != 3:
         raise ValueError(f"MLA attention: q_rope {tuple(q_rope.shape)} does not match q_latent {tuple(q_latent.shape)}")
     if block_table.dim() != 2 or block_table.stride(-1) != 1:

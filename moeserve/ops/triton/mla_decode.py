@@ -27,6 +27,8 @@ import triton.language as tl
 from moeserve.ops.triton import mla_reduce
 from moeserve.ops.triton.gemv import linear
 from moeserve.ops.triton.mla_checks import check_inputs, check_projections
+from moeserve.ops.triton.mla_key_tiles import first_tile_then_wait, load_pages, load_rows
+from moeserve.ops.triton.mla_pairs import attend_pair_tiles
 from moeserve.ops.triton.mla_reduce import (
     Projection,
     query_span,
@@ -76,55 +78,11 @@ def _load_query(
 
 
 @triton.jit
-def _load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr, CACHE: tl.constexpr):
-    """The page holding each key offs_n (the scratch page 0 from hi on); ".cg" (L2 only) where it
-    is read before the wait (_first_tile_then_wait)."""
-    return tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0, cache_modifier=CACHE)
-
-
-@triton.jit
-def _load_rows(
-    kv_ptr, page, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    RELOAD: tl.constexpr, CACHE: tl.constexpr,
-):
-    """Cached rows of keys offs_n in the cache's dtype (zeros from hi on when MASKED) -> (latent
-    halves for the scores, rotary key, latent halves for the output).
-
-    The latent comes as two halves of columns so that the score is two independent MMA chains of
-    half the depth (plus the rotary one): with heads on the M side a tile's score is a [heads,
-    keys] block whose K loop is a chain of dependent MMAs, which set the pace at 256 sequences.
-    The latent feeds two matmuls. Loaded once and widened (FP8), Triton's pipeliner no longer
-    stages it through shared memory, so RELOAD gives each matmul its own load: the second one
-    hits L2, and both stay in the multi-buffered cp.async pipeline.
-    """
-    # int64: page * stride_page overflows int32 in pools past ~3.7M tokens.
-    rows = kv_ptr + page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
-    a_ok = offs_c[None, :] < LATENT
-    b_ok = (HALF + offs_c)[None, :] < LATENT
-    p_ok = offs_p[None, :] < ROPE
-    if MASKED:
-        a_ok = a_ok & (offs_n < hi)[:, None]
-        b_ok = b_ok & (offs_n < hi)[:, None]
-        p_ok = p_ok & (offs_n < hi)[:, None]
-    lat_a = tl.load(rows[:, None] + offs_c[None, :], mask=a_ok, other=0.0, cache_modifier=CACHE)
-    lat_b = tl.load(rows[:, None] + HALF + offs_c[None, :], mask=b_ok, other=0.0, cache_modifier=CACHE)
-    rope = tl.load(rows[:, None] + LATENT + offs_p[None, :], mask=p_ok, other=0.0, cache_modifier=CACHE)
-    if RELOAD:
-        # A different cache modifier also keeps the compiler from merging the two loads.
-        pv_a = tl.load(rows[:, None] + offs_c[None, :], mask=a_ok, other=0.0, cache_modifier=".cg")
-        pv_b = tl.load(rows[:, None] + HALF + offs_c[None, :], mask=b_ok, other=0.0, cache_modifier=".cg")
-    else:
-        pv_a, pv_b = lat_a, lat_b
-    return lat_a, lat_b, rope, pv_a, pv_b
-
-
-@triton.jit
 def _attend_tiles(
     acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, lo, hi, pos, offs_c, offs_p,
     stride_page, stride_slot, qk_scale,
     LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, RELOAD: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr,
 ):
     """Online softmax over keys lo .. hi (lo tile-aligned). Unmasked: whole tiles all rows see.
 
@@ -132,14 +90,14 @@ def _attend_tiles(
     iteration; otherwise Triton's pipeliner keeps only one KV tile in flight.
     """
     offs = tl.arange(0, BLOCK_N)
-    pages = _load_pages(table_row, lo + offs, hi, PAGE_SIZE, "")
+    pages = load_pages(table_row, lo + offs, hi, PAGE_SIZE, "")
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs
-        lat_a, lat_b, rope, pv_a, pv_b = _load_rows(
+        lat_a, lat_b, rope, pv_a, pv_b = load_rows(
             kv_ptr, pages, offs_n, hi, offs_c, offs_p, stride_page, stride_slot,
-            LATENT, ROPE, HALF, PAGE_SIZE, MASKED, RELOAD, "",
+            LATENT, ROPE, HALF, PAGE_SIZE, MASKED, RELOAD, "", PAIRED,
         )
-        pages = _load_pages(table_row, offs_n + BLOCK_N, hi, PAGE_SIZE, "")
+        pages = load_pages(table_row, offs_n + BLOCK_N, hi, PAGE_SIZE, "")
         acc_a, acc_b, m_i, l_i = _attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, lat_a, lat_b, rope, pv_a, pv_b, offs_n, hi, pos, qk_scale,
             MASKED, COMPUTE, PRECISION,
@@ -153,7 +111,7 @@ def _attend_tile(
     MASKED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the loaded keys offs_n."""
-    # Three independent products summed, not one chained accumulator (see _load_rows).
+    # Three independent products summed, not one chained accumulator (see mla_key_tiles.load_rows).
     s = tl.dot(q_a, tl.trans(lat_a.to(COMPUTE)), input_precision=PRECISION)
     s += tl.dot(q_b, tl.trans(lat_b.to(COMPUTE)), input_precision=PRECISION)
     s += tl.dot(q_rope, tl.trans(rope.to(COMPUTE)), input_precision=PRECISION)
@@ -203,41 +161,6 @@ def _store_result(
 
 
 @triton.jit
-def _first_tile_then_wait(
-    kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    RELOAD: tl.constexpr, PDL: tl.constexpr,
-):
-    """Decode: a split's first KV tile, loaded before waiting on the previous kernel -> (keys, rows).
-
-    All keys but the newest were stored by earlier steps, so under PDL (pdl.py) they stream in
-    while the previous kernel drains; the newest key's row, which this step's store kernel may
-    just have written, is read after the wait. At decode sizes a split is a tile or two, so this
-    takes the table and cache round trips off the path behind the previous kernel.
-    """
-    first_n = lo + tl.arange(0, BLOCK_N)
-    key = seq_len - 1
-    lat_a, lat_b, rope, pv_a, pv_b = _load_rows(
-        kv_ptr, _load_pages(table_row, first_n, hi, PAGE_SIZE, ".cg"), first_n, tl.minimum(hi, key), offs_c, offs_p,
-        stride_page, stride_slot, LATENT, ROPE, HALF, PAGE_SIZE, True, RELOAD, ".cg",
-    )
-    in_tile = (key >= lo) & (key < hi) & (key < lo + BLOCK_N)
-    page = tl.load(table_row + key // PAGE_SIZE, mask=in_tile, other=0, cache_modifier=".cg")
-    row = kv_ptr + page.to(tl.int64) * stride_page + (key % PAGE_SIZE) * stride_slot
-    wait_for_prior_grid(PDL)
-    new_a = tl.load(row + offs_c, mask=in_tile & (offs_c < LATENT), other=0.0, cache_modifier=".cg")
-    new_b = tl.load(row + HALF + offs_c, mask=in_tile & (HALF + offs_c < LATENT), other=0.0, cache_modifier=".cg")
-    new_rope = tl.load(row + LATENT + offs_p, mask=in_tile & (offs_p < ROPE), other=0.0, cache_modifier=".cg")
-    newest = (first_n == key)[:, None]
-    lat_a = tl.where(newest, new_a[None, :], lat_a)
-    lat_b = tl.where(newest, new_b[None, :], lat_b)
-    rope = tl.where(newest, new_rope[None, :], rope)
-    pv_a = tl.where(newest, new_a[None, :], pv_a)
-    pv_b = tl.where(newest, new_b[None, :], pv_b)
-    return first_n, lat_a, lat_b, rope, pv_a, pv_b
-
-
-@triton.jit
 def _clear_row(clear_ptr, b, split, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """Zero sequence b's float32 row of o_proj's output, which the merge adds into (mla_reduce's
     PROJECT_OUTPUT): here, after the wait, because a kernel before this one may still read it."""
@@ -268,7 +191,8 @@ def _mla_split_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr, EARLY_TILE: tl.constexpr, RELOAD: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SATURATE: tl.constexpr,
-    CLEAR_WIDTH: tl.constexpr = 0, CLEAR_BLOCK: tl.constexpr = 1,
+    CLEAR_WIDTH: tl.constexpr = 0, CLEAR_BLOCK: tl.constexpr = 1, PAIRED: tl.constexpr = False,
+    WORDS: tl.constexpr = False,
 ):
     if not EARLY_TILE:
         wait_for_prior_grid(PDL)
@@ -291,9 +215,9 @@ def _mla_split_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     if EARLY_TILE:
         table_row = table_ptr + b.to(tl.int64) * stride_table
-        first_n, first_a, first_b, first_rope, first_pv_a, first_pv_b = _first_tile_then_wait(
+        first_n, first_a, first_b, first_rope, first_pv_a, first_pv_b = first_tile_then_wait(
             kv_ptr, table_row, lo, hi, seq_len, offs_c, offs_p, stride_page, stride_slot,
-            LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, RELOAD, PDL,
+            LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, RELOAD, PDL, PAIRED,
         )
     if CLEAR_WIDTH:
         _clear_row(clear_ptr, b, split, CLEAR_WIDTH, CLEAR_BLOCK)
@@ -317,14 +241,24 @@ def _mla_split_kernel(
     # Whole tiles below the block's first query position are visible to every row: no masks.
     diag = (prefix + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     mid = tl.maximum(lo, tl.minimum(diag, hi // BLOCK_N * BLOCK_N))
-    acc_a, acc_b, m_i, l_i = _attend_tiles(
-        acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, lo, mid, pos, offs_c, offs_p,
-        stride_page, stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, False, RELOAD, COMPUTE, PRECISION,
-    )
-    acc_a, acc_b, m_i, l_i = _attend_tiles(
-        acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, mid, hi, pos, offs_c, offs_p,
-        stride_page, stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, True, RELOAD, COMPUTE, PRECISION,
-    )
+    if WORDS:  # a key-pair FP8 cache read as 16-bit words (kv_ptr, strides in words): mla_pairs.py
+        acc_a, acc_b, m_i, l_i = attend_pair_tiles(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, lo, mid, pos, offs_c, offs_p,
+            stride_page, stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, False, PRECISION,
+        )
+        acc_a, acc_b, m_i, l_i = attend_pair_tiles(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, mid, hi, pos, offs_c, offs_p,
+            stride_page, stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, True, PRECISION,
+        )
+    else:
+        acc_a, acc_b, m_i, l_i = _attend_tiles(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, lo, mid, pos, offs_c, offs_p, stride_page,
+            stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, False, RELOAD, COMPUTE, PRECISION, PAIRED,
+        )
+        acc_a, acc_b, m_i, l_i = _attend_tiles(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_rope, kv_ptr, table_row, mid, hi, pos, offs_c, offs_p, stride_page,
+            stride_slot, qk_scale, LATENT, ROPE, HALF, BLOCK_N, PAGE_SIZE, True, RELOAD, COMPUTE, PRECISION, PAIRED,
+        )
     _store_result(
         acc_a, acc_b, m_i, l_i, q_row, head, row_ok, offs_c, split, num_heads, out_scale,
         out_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_splits, LATENT, HALF, SPLIT_KV,
@@ -399,18 +333,24 @@ def _launch_split(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     """The split kernel over every (query block x head group, sequence, split)."""
     heads, rank = q_latent.shape[1], q_latent.shape[2]
     grid = (num_q_blocks * triton.cdiv(heads, tiles.block_h), seq_lens.shape[0], num_splits)
+    # An FP8 cache holds its slots in pairs (mla_pairs.py); with float16 matmuls it is read as 16-bit words.
+    words = fp8 and compute == tl.float16
+    if words and (decode and tiles.early_tile or tiles.block_n < 32):
+        raise ValueError(f"MLA attention: an FP8 cache's {tiles} must read tiles of 32+ keys after the wait")
+    kv = kv_cache.view(torch.int16) if words else kv_cache
+    stride_page, stride_slot = (kv.stride(0), 2 * kv.stride(1)) if words else (kv.stride(0), kv.stride(1))
     _mla_split_kernel[grid](
-        q_latent, q_rope, kv_cache, block_table, seq_lens, qstart, out, part_o, part_lse, out if clear_width else part_lse,
+        q_latent, q_rope, kv, block_table, seq_lens, qstart, out, part_o, part_lse, out if clear_width else part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        stride_page, stride_slot, block_table.stride(0), out.stride(0), out.stride(1),
         heads, num_q_blocks, num_splits, qk_scale, kv_scale,
         LATENT=rank, ROPE=q_rope.shape[-1],
         HALF=max(16, triton.next_power_of_2(rank) // 2), BLOCK_P=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, PAGE_SIZE=kv_cache.shape[1],
         SPLIT_KV=num_splits > 1, DECODE=decode, EARLY_TILE=decode and tiles.early_tile,
-        RELOAD=fp8 and compute != tl.float32, COMPUTE=compute, SATURATE=saturate,
+        RELOAD=fp8 and compute != tl.float32 and not words, COMPUTE=compute, SATURATE=saturate,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        CLEAR_WIDTH=clear_width, CLEAR_BLOCK=triton.next_power_of_2(max(clear_width, 1)),
+        CLEAR_WIDTH=clear_width, CLEAR_BLOCK=triton.next_power_of_2(max(clear_width, 1)), PAIRED=fp8, WORDS=words,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q_latent),
     )
 

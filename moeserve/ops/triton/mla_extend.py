@@ -24,8 +24,9 @@ def extend_tiles(num_heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, de
     block_h = min(triton.next_power_of_2(num_heads), rows)
     if device.type != "cuda":
         return Tiles(block_q=rows // block_h, block_h=block_h, block_n=16, num_warps=1, num_stages=1)
-    # Checked for sm_90 with ptxas: no spills (FP8 tiles widen in registers, hence the shorter N).
-    block_n = 32 if q_dtype != torch.float32 and kv_dtype != torch.float8_e4m3fn else 16
+    # Checked for sm_90 with ptxas (benchmarks/kernels/mla_sass.py --extend --rows 2,16): no spills
+    # but FP8's 8 bytes; an FP8 cache's key pairs need 32-key tiles (mla_pairs.py).
+    block_n = 32 if q_dtype != torch.float32 else 16
     stages = 2 if q_dtype == torch.float32 else 3
     return Tiles(block_q=rows // block_h, block_h=block_h, block_n=block_n, num_warps=8, num_stages=stages)
 

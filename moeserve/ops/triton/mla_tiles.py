@@ -16,8 +16,6 @@ from moeserve.ops.triton.device import sm_count
 # walking many tiles each are latency-bound (benchmarks/kernels/sweep_mla_short.py).
 MIN_SPLIT_KEYS = 32
 MAX_SPLITS = 512
-# FP8 cache, 33-128 decode rows: programs an SM the split count aims at (decode_tiles).
-FP8_MID_CTAS = 2
 
 
 @dataclass(frozen=True)
@@ -55,19 +53,19 @@ def decode_tiles(
     if num_heads > 16:
         return Tiles(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1)
     if kv_dtype == torch.float8_e4m3fn:
-        # Measured at 1,152 keys (H200, benchmarks/kernels/mla_decode_tiles.py --kv fp8): 32-key
-        # tiles on eight warps, four stages at 2-4 rows; 64-key tiles on eight warps, two stages
-        # at 1 and 5-8 (b1 17.0 -> 11.4 us, b8 20.7 -> 19.3); past that 32-key tiles on four
-        # warps, two stages. At 33-128 rows the splits aim at two programs an SM (FP8_MID_CTAS):
-        # twice the splits, so more bytes in flight (b64 58.1 -> 45.7 us, b128 95.2 -> 79.5); at
-        # 9-32 and past 128 that is even. (Widened to bfloat16 then; with float16 matmuls the
-        # picks take b1 10.3, b8 17.0, b64 39.2, b128 65.9, b256 108.9 us.)
-        if 2 <= batch <= 4:
-            return Tiles(block_q=1, block_h=16, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1)
-        if batch <= 8:
+        # Key pairs read as 16-bit words (mla_pairs.py), measured at 1,152 keys (H100,
+        # benchmarks/kernels/mla_decode_tiles.py --kv fp8; 2026-12-07): 64-key tiles on eight
+        # warps, two stages at 1 row (9.0 us); 32-key tiles on four warps, three stages at 2-8
+        # (b4 12.3 -> 11.2, b8 14.6 -> 13.9) and past 128 (b256 93.4 -> 85.0), two stages at
+        # 9-32; 64-key tiles on eight warps, three stages at 33-128 (b64 35.6 -> 34.4, b128 58.1
+        # -> 52.6; four warps measured a little faster but spill). All without spills (mla_sass.py).
+        if batch == 1:
             return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
-        ctas = FP8_MID_CTAS if 32 < batch <= 128 else 1
-        return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=ctas)
+        if batch <= 8 or batch > 128:
+            return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=1)
+        if batch <= 32:
+            return Tiles(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1)
+        return Tiles(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1)
     # Measured at 1-2K keys (sweep_mla_short.py): 64-key tiles win from 33 to 128 queries (two
     # splits each; four warps since the latent halves: b128 50.5 -> 47.0 us), four warps on 32-key
     # tiles from 2 to 32; one program per SM sets the splits.

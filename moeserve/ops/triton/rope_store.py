@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.reference.attention import FP8_MAX
+from moeserve.ops.triton.mla_checks import check_key_pairs
 from moeserve.ops.triton.norm import normalize_row
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 from moeserve.ops.triton.skinny_gemm import per_head_matmul
@@ -177,7 +178,11 @@ def _mla_prep_kernel(
     tok = (pid // 2).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     in_cache = slot >= 0
-    cache_row = cache_ptr + slot * stride_slot
+    if CACHE_FP8:  # slots in pairs, interleaved column by column (reference.attention.slot_view)
+        cache_row = cache_ptr + slot // 2 * (2 * stride_slot) + slot % 2
+    else:
+        cache_row = cache_ptr + slot * stride_slot
+    step: tl.constexpr = 2 if CACHE_FP8 else 1
     cache_dtype = cache_ptr.dtype.element_ty
     # Two independent halves in two programs: at decode sizes each is a chain of dependent
     # memory round trips, and side by side they take the time of one.
@@ -189,7 +194,7 @@ def _mla_prep_kernel(
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         latent = normalize_row(x.to(tl.float32), w, RANK, eps, x.dtype)
         tl.store(latent_ptr + tok * RANK + cols, latent, mask=cmask)
-        tl.store(cache_row + cols, _to_cache(latent, kv_scale, CACHE_FP8, cache_dtype), mask=cmask & in_cache)
+        tl.store(cache_row + step * cols, _to_cache(latent, kv_scale, CACHE_FP8, cache_dtype), mask=cmask & in_cache)
     else:
         # The rotary key, then q_rope with the same angles.
         half: tl.constexpr = ROPE // 2
@@ -200,7 +205,7 @@ def _mla_prep_kernel(
         r1, r2 = _rotate(k1, k2, cos[None, :], sin[None, :])
         k = _join_pairs(r1.to(k.dtype), r2.to(k.dtype), 1, BLOCK_HALF, INTERLEAVED)
         tl.store(k_rope_ptr + tok * ROPE + offs[None, :], k, mask=ok[None, :])
-        tl.store(cache_row + RANK + offs[None, :], _to_cache(k, kv_scale, CACHE_FP8, cache_dtype),
+        tl.store(cache_row + step * (RANK + offs[None, :]), _to_cache(k, kv_scale, CACHE_FP8, cache_dtype),
                  mask=ok[None, :] & in_cache)
         _rotate_q(q_ptr + tok * stride_qt, stride_qh, HEADS, cos, sin, offs, ok, BLOCK_HALF, INTERLEAVED)
 
@@ -224,6 +229,7 @@ def _check(
         )
     if kv_cache.shape[-1] != rank + rope:
         raise ValueError(f"mla_rope_norm_store: cache width {kv_cache.shape[-1]} != {rank + rope}")
+    check_key_pairs(kv_cache, "mla_rope_norm_store")
     if inv_freq.numel() != rope // 2:
         raise ValueError(f"mla_rope_norm_store: inv_freq has {inv_freq.numel()} values, expected {rope // 2}")
 
