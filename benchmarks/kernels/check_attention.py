@@ -164,9 +164,9 @@ def best_us(fn, iters: int = 20) -> float:
     return min(time_us(fn, iters=iters) for _ in range(3))
 
 
-def decode_case(batch: int, ctx: int, dtype: torch.dtype, gen: torch.Generator):
+def decode_case(batch: int, ctx: int, dtype: torch.dtype, gen: torch.Generator, heads: int = HEADS):
     cache, table = paged([ctx] * batch, 64, dtype, gen)
-    q_latent, q_rope = queries(batch, HEADS)
+    q_latent, q_rope = queries(batch, heads)
     return (q_latent, q_rope, cache, table, i32([ctx] * batch), 0.1, 1.0), batch * ctx * (RANK + ROPE) * cache.element_size()
 
 

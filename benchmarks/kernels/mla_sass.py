@@ -5,9 +5,9 @@ and an instruction census of the SASS (ptxas and cuobjdump ship with Triton).
 
 The kernel is compiled with the facts the engine's launches give Triton (16-byte divisible
 pointers and strides), so loads vectorise as they do on the device. Useful to see, for instance,
-that FP8 tiles widen to bfloat16 in three instructions a pair against float16's one
-(--bf16-matmuls), and that Triton reads the 8-bit tile from shared memory a byte at a time for
-the value matmul.
+that FP8 key pairs read as 16-bit words go through ldmatrix for both matmuls, where 8-bit tiles
+took the value matmul's operand from shared memory a byte at a time (sm_90 has no 8-bit
+transposing ldmatrix), and what widening to bfloat16 instead costs (--bf16-matmuls).
 """
 
 from __future__ import annotations

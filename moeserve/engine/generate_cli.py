@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=d["dtype"], choices=DTYPES)
     parser.add_argument("--device", default=d["device"], help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--load-format", default=d["load_format"], choices=LOAD_FORMATS)
-    parser.add_argument("--page-size", type=int, default=d["page_size"])
+    parser.add_argument("--page-size", type=int, default=d["page_size"], help="tokens a KV page holds (even for fp8_e4m3)")
     parser.add_argument("--max-model-len", type=int, default=d["max_model_len"])
     parser.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
     parser.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"])

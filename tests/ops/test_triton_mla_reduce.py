@@ -121,7 +121,7 @@ def test_small_batches_merge_and_project_in_one_kernel(lens, splits, poisoned):
 
 def test_larger_batches_project_after_the_merge(poisoned):
     gen = torch.Generator().manual_seed(5)
-    check([3, 70, 150], 4, 32, 8, 24, 1, torch.float32, FP8, gen, num_splits=4)
+    check([3, 70, 150], 4, 32, 8, 24, 2, torch.float32, FP8, gen, num_splits=4)
 
 
 def test_the_fused_path_is_taken_up_to_its_batch_limit(monkeypatch):

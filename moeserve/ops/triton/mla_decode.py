@@ -12,9 +12,9 @@ At batch 1, decode loads each split's first tile before waiting on the previous 
 all but the newest key, which this step's store may just have written. On Hopper, batch 1's
 16-bit decode runs the split as the Gluon kernel in mla_decode_hopper.py instead (same partials).
 
-An FP8 cache holds value / kv_scale: tiles are widened to float16 for the matmuls (one
-instruction a pair of values; bfloat16 takes one more a value), the query saturating at float16's
-range, and kv_scale is folded into the score scale and the output. Scores use exp2, so lse is
+An FP8 cache holds value / kv_scale, its slots in key pairs: with float16 matmuls (the default)
+tiles are read as 16-bit words and widened a word at a time (mla_pairs.py), the query saturating
+at float16's range; kv_scale is folded into the score scale and the output. Scores use exp2, so lse is
 kept in base 2.
 """
 
