@@ -38,12 +38,11 @@ def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """The cache's slots (page * page_size + slot) as [slots // g, g, dim], g = slot_group: slot s
     is [s // g, s % g]. A view: writes through it land in the cache."""
     pages, page_size, width = kv_cache.shape
-    group = slot_group(kv_cache.dtype)
-    if page_size % group or not kv_cache.is_contiguous():
+    if slot_group(kv_cache.dtype) == 1:
+        return kv_cache.view(-1, 1, width)
+    if page_size % 2 or not kv_cache.is_contiguous():
         raise ValueError(f"KV cache {tuple(kv_cache.shape)}: an FP8 cache stores slots in pairs: it needs an even "
                          "page size and contiguous pages")
-    if group == 1:
-        return kv_cache.view(-1, 1, width)
     return kv_cache.as_strided((pages * page_size // 2, 2, width), (2 * width, 1, 2), kv_cache.storage_offset())
 
 

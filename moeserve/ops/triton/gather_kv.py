@@ -57,8 +57,8 @@ def gather_kv(
     total: int | None = None,
 ) -> torch.Tensor:
     """Each sequence's cached rows in token order, packed: [sum(seq_lens), kv_cache_dim]."""
-    if kv_cache.dim() != 3 or kv_cache.stride(-1) != 1 or kv_cache.stride(1) != kv_cache.shape[-1]:
-        raise ValueError(f"gather_kv: cache {tuple(kv_cache.shape)} is not a [pages, page_size, dim] tensor with contiguous pages")
+    if kv_cache.dim() != 3 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"gather_kv: cache {tuple(kv_cache.shape)} is not a [pages, page_size, dim] tensor with contiguous rows")
     check_key_pairs(kv_cache, "gather_kv")
     batch = seq_lens.shape[0]
     if block_table.shape[0] != batch or cu_seqlens.shape[0] != batch + 1:
