@@ -42,7 +42,8 @@ from moeserve.ops.triton.skinny_gemm import per_head_matmul
 
 LOG2E = 1.4426950408889634
 # FP8 tiles widen to float16 for the matmuls: one conversion a pair of values, where bfloat16
-# takes a second (F2F) per value. Query values past float16's range saturate (SATURATE).
+# takes a second (F2F) per value. Query values past float16's range saturate (SATURATE). Off, the
+# key pairs are read a byte at a time, a column apart (slow: kept for accuracy A/Bs).
 FP8_F16_MATMULS = True
 # Decode batches up to this size run the split as the Gluon kernel on sm_90 (mla_decode_hopper.py,
 # where it takes the shapes). H200 decode-graph replay against the Triton kernel: b1 -2.2 / -2.3%;
