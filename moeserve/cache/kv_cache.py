@@ -20,9 +20,6 @@ class MLAKVCache:
         device: torch.device,
         kv_scale: float = 1.0,
     ) -> None:
-        if dtype == torch.float8_e4m3fn and page_size % 2:
-            # Decode reads an FP8 page's slots in pairs (moeserve.ops.reference.attention.slot_view).
-            raise ValueError(f"an FP8 KV cache needs an even page size, got {page_size}")
         self.page_size = page_size
         self.kv_lora_rank = config.kv_lora_rank
         # FP8 caches store value / kv_scale; 1.0 (no calibration) as in vLLM and SGLang defaults.

@@ -181,14 +181,14 @@ def test_mla_decode_first_tile_before_the_wait(page_size, kv_dtype, poisoned):
 
 
 def nan_past_the_end(cache: torch.Tensor, table: torch.Tensor, seq_lens: list[int]) -> None:
-    """Fill every slot of each sequence's pages past its length with NaN's bit pattern: an FP8
-    cache's odd slot next to a sequence's last key is read with it (key pairs) and must not leak."""
+    """Fill every slot of each sequence's pages past its length with NaN's bit pattern (FP8 cache):
+    the odd slot next to a sequence's last key is read with it (key pairs) and must not leak."""
     page_size = cache.shape[1]
     for b, n in enumerate(seq_lens):
         pos = torch.arange(n, -(-n // page_size) * page_size, device=cache.device)
         slots = table[b].long()[pos // page_size] * page_size + pos % page_size
         rows = torch.full((len(pos), cache.shape[-1]), 0x7F, dtype=torch.uint8, device=cache.device)
-        ref.write_slots(cache, slots, rows.view(cache.dtype) if cache.dtype == FP8 else float("nan"))
+        ref.write_slots(cache, slots, rows.view(FP8))
 
 
 def check_past_the_end(seq_lens, query_lens, heads, rank, rope, q_dtype, gen, tiles=None):

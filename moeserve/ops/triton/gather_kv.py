@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.triton.mla_checks import check_key_pairs
+from moeserve.ops.triton.mla_key_tiles import slot_rows
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 
 
@@ -31,11 +32,7 @@ def _gather_kernel(
     if tl.program_id(1) * BLOCK_T >= seq_len:
         return
     page = tl.load(table_ptr + b.to(tl.int64) * stride_table + offs_t // PAGE_SIZE, mask=t_ok, other=0)
-    slot = offs_t % PAGE_SIZE
-    if DEQUANT:  # FP8: slots in pairs, interleaved column by column (reference.attention.slot_view)
-        src = kv_ptr + page.to(tl.int64) * stride_page + slot // 2 * (2 * stride_slot) + slot % 2
-    else:
-        src = kv_ptr + page.to(tl.int64) * stride_page + slot * stride_slot
+    src = slot_rows(kv_ptr, page, offs_t, stride_page, stride_slot, PAGE_SIZE, DEQUANT)  # FP8: key pairs
     step: tl.constexpr = 2 if DEQUANT else 1
     dst = out_ptr + (tl.load(cu_ptr + b) + offs_t).to(tl.int64) * stride_out
     for d0 in range(0, WIDTH, BLOCK_D):

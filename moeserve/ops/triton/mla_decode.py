@@ -337,7 +337,7 @@ def _launch_split(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     # An FP8 cache holds its slots in pairs (mla_pairs.py); with float16 matmuls it is read as 16-bit words.
     words = fp8 and compute == tl.float16
     if words and (decode and tiles.early_tile or tiles.block_n < 32):
-        raise ValueError(f"MLA attention: an FP8 cache's {tiles} must read tiles of 32+ keys after the wait")
+        raise ValueError(f"MLA attention: {tiles} for an FP8 cache: key pairs need 32+ key tiles, none before the wait")
     kv = kv_cache.view(torch.int16) if words else kv_cache
     stride_page, stride_slot = (kv.stride(0), 2 * kv.stride(1)) if words else (kv.stride(0), kv.stride(1))
     _mla_split_kernel[grid](

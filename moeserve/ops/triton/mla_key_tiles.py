@@ -19,15 +19,20 @@ def load_pages(table_row, offs_n, hi, PAGE_SIZE: tl.constexpr, CACHE: tl.constex
 
 
 @triton.jit
-def slot_rows(kv_ptr, page, offs_n, stride_page, stride_slot, PAGE_SIZE: tl.constexpr, PAIRED: tl.constexpr):
-    """Where each key's row starts: its slot's, or in a key-pair cache (mla_pairs.py) its pair's,
-    offset by the key's byte in each column."""
-    # int64: page * stride_page overflows int32 in pools past ~3.7M tokens.
-    base = kv_ptr + page.to(tl.int64) * stride_page
-    slot = offs_n % PAGE_SIZE
+def slot_offset(slot, stride_slot, PAIRED: tl.constexpr):
+    """Offset of a slot's row: slot * stride_slot, or in a key-pair FP8 cache (reference.attention.
+    slot_view) its pair's, plus the slot's byte in each column (columns then step by 2). The slot
+    may count from the page or from the cache's start: pages hold whole pairs."""
     if PAIRED:
-        return base + slot // 2 * (2 * stride_slot) + slot % 2
-    return base + slot * stride_slot
+        return slot // 2 * (2 * stride_slot) + slot % 2
+    return slot * stride_slot
+
+
+@triton.jit
+def slot_rows(kv_ptr, page, offs_n, stride_page, stride_slot, PAGE_SIZE: tl.constexpr, PAIRED: tl.constexpr):
+    """Where each key's row starts (see slot_offset)."""
+    # int64: page * stride_page overflows int32 in pools past ~3.7M tokens.
+    return kv_ptr + page.to(tl.int64) * stride_page + slot_offset(offs_n % PAGE_SIZE, stride_slot, PAIRED)
 
 
 @triton.jit

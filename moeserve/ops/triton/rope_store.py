@@ -22,6 +22,7 @@ import triton.language as tl
 
 from moeserve.ops.reference.attention import FP8_MAX
 from moeserve.ops.triton.mla_checks import check_key_pairs
+from moeserve.ops.triton.mla_key_tiles import slot_offset
 from moeserve.ops.triton.norm import normalize_row
 from moeserve.ops.triton.pdl import pdl_launch, wait_for_prior_grid
 from moeserve.ops.triton.skinny_gemm import per_head_matmul
@@ -178,10 +179,7 @@ def _mla_prep_kernel(
     tok = (pid // 2).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     in_cache = slot >= 0
-    if CACHE_FP8:  # slots in pairs, interleaved column by column (reference.attention.slot_view)
-        cache_row = cache_ptr + slot // 2 * (2 * stride_slot) + slot % 2
-    else:
-        cache_row = cache_ptr + slot * stride_slot
+    cache_row = cache_ptr + slot_offset(slot, stride_slot, CACHE_FP8)  # FP8: slots in key pairs
     step: tl.constexpr = 2 if CACHE_FP8 else 1
     cache_dtype = cache_ptr.dtype.element_ty
     # Two independent halves in two programs: at decode sizes each is a chain of dependent
