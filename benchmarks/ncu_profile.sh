@@ -31,6 +31,6 @@ for case in ${CASES:-1:auto:35 256:auto:45}; do
     > "/tmp/$name.log" 2>&1
   echo "$name rc=$?"; grep -E "profiled|Error|ERROR" "/tmp/$name.log" | head -3
   [ -f "/tmp/$name.ncu-rep" ] || { tail -5 "/tmp/$name.log"; continue; }
-  $NCU --import "/tmp/$name.ncu-rep" --csv --page raw > "$OUT/$name.csv"
+  $NCU --import "/tmp/$name.ncu-rep" --csv --page raw --print-units base > "$OUT/$name.csv"
   python3 benchmarks/ncu_summary.py "$OUT/$name.csv" > "$OUT/$name.summary.txt"; tail -1 "$OUT/$name.summary.txt"
 done

@@ -30,7 +30,9 @@ def read_rows(path: Path) -> tuple[list[dict[str, str]], dict[str, str]]:
     with path.open(newline="") as f:
         lines = [line for line in f if not line.startswith("==")]
     rows = list(csv.DictReader(lines))
-    return rows[1:], rows[0]
+    if rows and not rows[0].get("ID"):  # the units row, which kernel rows follow
+        return rows[1:], rows[0]
+    return rows, {}
 
 
 def _scaled(row: dict[str, str], units: dict[str, str], name: str, to: str) -> float | None:
