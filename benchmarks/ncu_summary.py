@@ -54,7 +54,7 @@ def summarize(row: dict[str, str], top: int) -> tuple[str, float]:
     gbs = moved / (us * 1e-6) / 1e9 if us else 0.0
     line = (
         f"{name:34s} {grid:>5s}x{block:<4s} r{regs:>3s} {us:8.2f} us {moved / 1e6:8.2f} MB {gbs:6.0f} GB/s "
-        f"dram%{pct('dram__throughput.avg.pct_of_peak_sustained_elapsed')} "
+        f"dram%{pct('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed')} "
         f"sm%{pct('sm__throughput.avg.pct_of_peak_sustained_elapsed')} "
         f"occ%{pct('sm__warps_active.avg.pct_of_peak_sustained_active')} "
         f"issue%{pct('smsp__issue_active.avg.per_cycle_active', 100.0)}  {worst}"
