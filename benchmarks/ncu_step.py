@@ -23,8 +23,8 @@ import gpu_suite  # noqa: E402 - beside this script
 
 from moeserve import SamplingParams  # noqa: E402
 from moeserve.bench.common import random_prompts  # noqa: E402
+from moeserve.config.engine_config import EngineConfig  # noqa: E402
 
-PAGE_SIZE = 16
 MAX_TOKENS = 64
 
 
@@ -38,12 +38,13 @@ def main() -> None:
     # By default a KV pool just large enough for these requests: ncu's replay passes save and
     # restore device memory, and on an H100 a 0.6 share (a 17 GB pool) let b1 profile 4 kernels in
     # 170 s, a 0.42 share (about 2 GB) 36. A share too small shortens the contexts (0.42 at b256).
-    pool = {"mem_fraction_static": a.mem_fraction_static} if a.mem_fraction_static else {
-        "num_kv_pages": a.batch_size * -(-(a.input_len + MAX_TOKENS + 1) // PAGE_SIZE)}
+    if a.mem_fraction_static is not None:
+        pool = {"mem_fraction_static": a.mem_fraction_static}
+    else:
+        pool = {"num_kv_pages": a.batch_size * -(-(a.input_len + MAX_TOKENS + 1) // EngineConfig.page_size)}
     core = gpu_suite.engine(
         a.model,
         load_format=a.load_format,
-        page_size=PAGE_SIZE,
         **pool,
         cuda_graph_bs=str(a.batch_size),
         kv_cache_dtype=a.kv_cache_dtype,
