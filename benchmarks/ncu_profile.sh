@@ -24,9 +24,11 @@ if ! timeout 90 $NCU --clock-control none $SECTIONS $METRICS python3 -c "$PROBE"
   echo "ncu cannot read this machine's counters:"; tail -5 "$OUT/probe.txt"; exit 1
 fi
 rm "$OUT/probe.txt"  # what comes back is 8 files at most: two a case
+i=0
 for case in ${CASES:-1:auto:36 256:auto:4:regex:_mla_prep|_mla_split|_moe_up|_moe_down}; do
   IFS=: read -r bs kv count filter <<< "$case"
-  name=ncu_b${bs}_${kv}
+  i=$((i + 1))
+  name=ncu${i}_b${bs}_${kv}  # numbered: two cases of one batch and cache keep files of their own
   timeout ${CASE_TIMEOUT:-200} $NCU --clock-control none --profile-from-start off --graph-profiling node \
     $SECTIONS $METRICS -c "$count" ${filter:+-k "$filter"} -f -o "/tmp/$name" \
     python3 benchmarks/ncu_step.py --model "$MODEL" --load-format dummy --batch-size "$bs" --kv-cache-dtype "$kv" ${STEP_ARGS:-} \

@@ -35,7 +35,9 @@ def apply(setting: str) -> None:
     target, _, raw = setting.partition("=")
     module_name, _, const = target.rpartition(".")
     module = importlib.import_module(module_name)
-    setattr(module, const, type(getattr(module, const))(raw))
+    current = getattr(module, const)
+    # bool("0") is True: flags read 1 / true as on, anything else as off (as ab_decode.py does).
+    setattr(module, const, raw.lower() in ("1", "true") if isinstance(current, bool) else type(current)(raw))
 
 
 def charges(core: EngineCore, bs: int, input_len: int) -> tuple[float, int, dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve import ops
 from moeserve.config.model_config import ModelConfig
 from moeserve.core.batch import ForwardBatch
 from moeserve.layers.attention import MLAAttention
@@ -64,8 +65,14 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
         layers = list(self.layers)
+        # The embedding goes straight through the first layer's norm and first projection: at one
+        # token on the GPU that is one kernel, where a decode step would otherwise start with three.
+        norm, proj = layers[0].input_layernorm, layers[0].self_attn.fused_qkv_a_proj
+        out, residual = ops.embed_norm_linear(
+            input_ids, self.embed_tokens.weight, norm.weight, norm.eps, proj.weight, proj.bias
+        )
+        hidden: torch.Tensor | NextProjection = NextProjection(out)
         for layer, next_layer in zip(layers, [*layers[1:], None], strict=True):
             hidden, residual = layer(positions, hidden, residual, batch, next_layer)
         assert not isinstance(hidden, NextProjection)  # the last layer has no next one

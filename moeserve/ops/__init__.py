@@ -65,6 +65,7 @@ skinny_bmm = _dispatch("skinny_bmm", _ref_linear.skinny_bmm, "skinny_gemm")
 per_head_matmul = _dispatch("per_head_matmul", _ref_linear.per_head_matmul, "skinny_gemm")
 linear = _dispatch("linear", _ref_linear.linear, "gemv")
 add_norm_linear = _dispatch("add_norm_linear", _ref_linear.add_norm_linear, "gemv")
+embed_norm_linear = _dispatch("embed_norm_linear", _ref_linear.embed_norm_linear, "gemv")
 unpack_decode_inputs = _dispatch(
     "unpack_decode_inputs", _ref_decode_inputs.unpack_decode_inputs, "decode_inputs"
 )
@@ -73,6 +74,7 @@ __all__ = [
     "add_norm_linear",
     "add_norm_route",
     "argmax_rows",
+    "embed_norm_linear",
     "fused_add_rms_norm",
     "fused_moe",
     "fused_moe_add_norm_linear",

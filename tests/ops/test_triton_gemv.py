@@ -215,3 +215,64 @@ def test_gpu_add_norm_linear_in_a_cuda_graph(slots):
         want, want_sum = reference(x, residual, gain, 1e-6, w)  # PyTorch in bfloat16, cuBLAS's projection
         torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
         torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+# --- embedding + RMSNorm + projection (a model's first kernel) -----------------------------------
+
+
+@pytest.mark.parametrize("one_kernel", [True, False])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_embed_norm_linear_matches_the_reference(one_kernel, id_dtype, monkeypatch):
+    """The id's table row, normalised and projected, against the reference op, in the kernel and
+    in the fallback (embedding, norm kernel, GEMV); the row itself comes back as the residual."""
+    from moeserve.ops.reference.linear import embed_norm_linear as reference
+
+    gen = torch.Generator().manual_seed(21 + one_kernel)
+    table, gain, w, bias = rand(gen, 50, 64), rand(gen, 64), rand(gen, 40, 64), rand(gen, 40)
+    ids = torch.tensor([37], dtype=id_dtype, device=DEVICE)
+    monkeypatch.setattr(gemv_module, "EMBED_IN_GEMV", one_kernel)
+    want, want_row = reference(ids, table, gain, 1e-6, w, bias)
+    got, got_row = gemv_module.embed_norm_linear(ids, table, gain, 1e-6, w, bias)
+    torch.testing.assert_close(got_row, table[37:38], rtol=0, atol=0)
+    torch.testing.assert_close(got_row, want_row, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_embed_norm_linear_past_one_row_and_a_stray_id():
+    """Three ids take the fallback; an id past the table in the kernel reads a zero row (the
+    projection is then the bias) rather than memory beyond the table."""
+    from moeserve.ops.reference.linear import embed_norm_linear as reference
+
+    gen = torch.Generator().manual_seed(5)
+    table, gain, w, bias = rand(gen, 50, 64), rand(gen, 64), rand(gen, 40, 64), rand(gen, 40)
+    ids = torch.tensor([3, 49, 0], device=DEVICE)
+    want, want_rows = reference(ids, table, gain, 1e-6, w, bias)
+    got, got_rows = gemv_module.embed_norm_linear(ids, table, gain, 1e-6, w, bias)
+    torch.testing.assert_close(got_rows, want_rows, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    got, got_row = gemv_module.embed_norm_linear(torch.tensor([50], device=DEVICE), table, gain, 1e-6, w, bias)
+    assert not got_row.any()
+    torch.testing.assert_close(got, bias[None], rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_embed_norm_linear_in_a_cuda_graph():
+    """V2-Lite's embedding table and first fused_qkv_a in bfloat16, captured once and replayed on
+    fresh token ids: the projection and the embedded row follow the reference."""
+    from moeserve.ops.reference.linear import embed_norm_linear as reference
+
+    gen = torch.Generator().manual_seed(300)
+    table = (rand(gen, 102400, 2048) * 0.02).bfloat16()
+    w = (rand(gen, 3648, 2048) * 0.02).bfloat16()
+    gain = (1 + 0.1 * rand(gen, 2048)).bfloat16()
+    ids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    gemv_module.embed_norm_linear(ids, table, gain, 1e-6, w)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, row = gemv_module.embed_norm_linear(ids, table, gain, 1e-6, w)
+    for seed in range(3):
+        ids.fill_(int(torch.randint(0, 102400, (1,), generator=torch.Generator().manual_seed(seed))))
+        graph.replay()
+        want, want_row = reference(ids, table, gain, 1e-6, w)  # PyTorch in bfloat16, cuBLAS's projection
+        torch.testing.assert_close(row, want_row, rtol=0, atol=0)
+        torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.reference.norm import fused_add_rms_norm
+from moeserve.ops.reference.norm import fused_add_rms_norm, rms_norm
 
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -45,3 +45,13 @@ def add_norm_linear(
     residual add before it; x may be [T, slots, H] parts to sum first (see fused_add_rms_norm)."""
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), summed
+
+
+def embed_norm_linear(
+    ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(table[ids])), table[ids]): a model's token embedding, then its first layer's
+    norm and first projection."""
+    embedded = F.embedding(ids, table)
+    return linear(rms_norm(embedded, norm_weight, eps), weight, bias), embedded
