@@ -136,6 +136,13 @@ def ring_on(fn):
     return ring_set(fn, 1)
 
 
+def reference_on_touched(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The float32 reference on the experts `ids` touches only: V3's 256 experts widened whole take
+    30 GB beside the kernel's 22 GB, past an 80 GB card shared by test workers."""
+    used, local = ids.unique(return_inverse=True)
+    return ref.fused_moe(x.float(), w13[used].float(), w2[used].float(), weights, local.to(ids.dtype))
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
@@ -155,13 +162,14 @@ def test_gpu_moe_ring_matches_reference(experts, hidden, inter, topk, shared, dt
         got = ring.moe_ring(x, w13, w2, weights, ids.to(id_dtype), fixed_tail=shared)
         assert got.shape == (1, 1, hidden) and got.dtype == torch.float32
         # The reference in float32 throughout (the kernel rounds its activations to the weights' dtype).
-        want = ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+        want = reference_on_touched(x, w13, w2, weights, ids)
         assert rel_error(got[0], want) < 1e-2
         # Again at once (the counters reset each launch), through the op, summed and unsummed.
         summed = ring_on(ops.fused_moe)(x, w13, w2, weights, ids, fixed_tail=shared)
         assert summed.dtype == dtype and rel_error(summed, want) < 1e-2
         parts = ring_on(ops.fused_moe)(x, w13, w2, weights, ids, sum_slots=False, fixed_tail=shared)
         assert parts.shape == (1, 1, hidden) and rel_error(parts[0], want) < 1e-2
+        del x, w13, w2  # before the next seed's weights exist beside them
 
 
 @pytest.mark.gpu
