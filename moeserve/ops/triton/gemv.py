@@ -266,16 +266,7 @@ def add_norm_linear(
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), summed
     check_inputs(x, residual, norm_weight)
-    n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=residual.dtype, device=x.device)
-    summed = torch.empty(rows, width, dtype=residual.dtype, device=x.device)
-    _add_norm_gemv_kernel[(triton.cdiv(n, ADD_NORM_BLOCK_N),)](
-        x, residual, norm_weight.contiguous(), weight, bias if bias is not None else weight, out, summed, rows, n,
-        float(eps), x.stride(0), x.stride(1) if slots > 1 else 0, residual.stride(0), weight.stride(0), out.stride(0), 0,
-        K=width, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots), BLOCK_N=ADD_NORM_BLOCK_N,
-        BLOCK_K=triton.next_power_of_2(width), HAS_BIAS=bias is not None, num_warps=ADD_NORM_WARPS, **pdl_launch(x),
-    )
-    return out, summed
+    return _add_norm_gemv(x, residual, norm_weight, eps, weight, bias, rows, slots, x.stride(1) if slots > 1 else 0)
 
 
 def embed_norm_linear(
@@ -293,13 +284,25 @@ def embed_norm_linear(
     if not one_kernel:
         embedded = F.embedding(ids, table)
         return linear(rms_norm(embedded, norm_weight, eps), weight, bias), embedded
-    n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=table.dtype, device=ids.device)
-    embedded = torch.empty(rows, width, dtype=table.dtype, device=ids.device)
+    return _add_norm_gemv(ids, table, norm_weight, eps, weight, bias, rows, gather=True)
+
+
+def _add_norm_gemv(
+    x: torch.Tensor, rows_from: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None, rows: int, slots: int = 1, stride_xs: int = 0, gather: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One _add_norm_gemv_kernel launch over `rows` rows -> (projection [rows, N], the normalised rows'
+    input [rows, H]): x's slots plus the residual `rows_from`, or (gather) the rows of the table
+    `rows_from` that the ids x name."""
+    n, width = weight.shape[0], rows_from.shape[-1]
+    out = torch.empty(rows, n, dtype=rows_from.dtype, device=x.device)
+    summed = torch.empty(rows, width, dtype=rows_from.dtype, device=x.device)
     _add_norm_gemv_kernel[(triton.cdiv(n, ADD_NORM_BLOCK_N),)](
-        ids, table, norm_weight.contiguous(), weight, bias if bias is not None else weight, out, embedded, rows, n,
-        float(eps), ids.stride(0), 0, table.stride(0), weight.stride(0), out.stride(0), table.shape[0],
-        K=width, SLOTS=1, SLOTS_PAD=1, BLOCK_N=ADD_NORM_BLOCK_N, BLOCK_K=triton.next_power_of_2(width),
-        HAS_BIAS=bias is not None, GATHER=True, num_warps=ADD_NORM_WARPS, **pdl_launch(ids),
+        x, rows_from, norm_weight.contiguous(), weight, bias if bias is not None else weight, out, summed, rows, n,
+        float(eps), x.stride(0), stride_xs, rows_from.stride(0), weight.stride(0), out.stride(0),
+        rows_from.shape[0] if gather else 0,
+        K=width, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots), BLOCK_N=ADD_NORM_BLOCK_N,
+        BLOCK_K=triton.next_power_of_2(width), HAS_BIAS=bias is not None, GATHER=gather, num_warps=ADD_NORM_WARPS,
+        **pdl_launch(x),
     )
-    return out, embedded
+    return out, summed
