@@ -257,7 +257,6 @@ def add_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference `add_norm_linear`: one kernel up to ADD_NORM_MAX_ROWS rows, the norm then `linear` past them."""
     rows, width = residual.shape[0], residual.shape[-1]
-    slots = x.shape[1] if x.dim() == 3 else 1
     one_kernel = (
         residual.dim() == 2 and 0 < rows <= ADD_NORM_MAX_ROWS and fits(residual, weight) and weight.shape[1] == width
         and residual.dtype == weight.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
@@ -266,7 +265,7 @@ def add_norm_linear(
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), summed
     check_inputs(x, residual, norm_weight)
-    return _add_norm_gemv(x, residual, norm_weight, eps, weight, bias, rows, slots, x.stride(1) if slots > 1 else 0)
+    return _add_norm_gemv(x, residual, norm_weight, eps, weight, bias)
 
 
 def embed_norm_linear(
@@ -284,22 +283,23 @@ def embed_norm_linear(
     if not one_kernel:
         embedded = F.embedding(ids, table)
         return linear(rms_norm(embedded, norm_weight, eps), weight, bias), embedded
-    return _add_norm_gemv(ids, table, norm_weight, eps, weight, bias, rows, gather=True)
+    return _add_norm_gemv(ids, table, norm_weight, eps, weight, bias, gather=True)
 
 
 def _add_norm_gemv(
     x: torch.Tensor, rows_from: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: torch.Tensor | None, rows: int, slots: int = 1, stride_xs: int = 0, gather: bool = False,
+    bias: torch.Tensor | None, gather: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One _add_norm_gemv_kernel launch over `rows` rows -> (projection [rows, N], the normalised rows'
-    input [rows, H]): x's slots plus the residual `rows_from`, or (gather) the rows of the table
-    `rows_from` that the ids x name."""
-    n, width = weight.shape[0], rows_from.shape[-1]
+    """One _add_norm_gemv_kernel launch over x's rows -> (projection [rows, N], the normalised rows'
+    input [rows, H]): x's slots ([rows, slots, H] or [rows, H]) plus the residual `rows_from`, or
+    (gather) the rows of the table `rows_from` that the ids x [rows] name."""
+    rows, n, width = x.shape[0], weight.shape[0], rows_from.shape[-1]
+    slots = x.shape[1] if x.dim() == 3 else 1
     out = torch.empty(rows, n, dtype=rows_from.dtype, device=x.device)
     summed = torch.empty(rows, width, dtype=rows_from.dtype, device=x.device)
     _add_norm_gemv_kernel[(triton.cdiv(n, ADD_NORM_BLOCK_N),)](
         x, rows_from, norm_weight.contiguous(), weight, bias if bias is not None else weight, out, summed, rows, n,
-        float(eps), x.stride(0), stride_xs, rows_from.stride(0), weight.stride(0), out.stride(0),
+        float(eps), x.stride(0), x.stride(1) if slots > 1 else 0, rows_from.stride(0), weight.stride(0), out.stride(0),
         rows_from.shape[0] if gather else 0,
         K=width, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots), BLOCK_N=ADD_NORM_BLOCK_N,
         BLOCK_K=triton.next_power_of_2(width), HAS_BIAS=bias is not None, GATHER=gather, num_warps=ADD_NORM_WARPS,
